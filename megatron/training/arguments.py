@@ -1,0 +1,273 @@
+"""Command-line arguments with Megatron-LM's flag names, Llama presets and validation.
+
+Every invalid layout or flag combination is rejected by :func:`validate_args` with one
+line that names the flag and says what to do, before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+# Llama-2 family as used in the REFT paper (layers, hidden, heads, query groups), plus a
+# tiny model that trains in seconds on a CPU.
+MODEL_PRESETS = {
+    "tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                 ffn_hidden_size=352, seq_length=128),
+    "llama2-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=32),
+    "llama2-2.7b": dict(num_layers=32, hidden_size=2560, num_attention_heads=32),
+    "llama2-6.7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32),
+    "llama2-34b": dict(num_layers=48, hidden_size=8192, num_attention_heads=64,
+                       num_query_groups=8),
+}
+
+
+class ArgumentError(ValueError):
+    """An invalid flag value or combination; the message names the flag."""
+
+
+def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU width: 2/3 of 4h, rounded up to a multiple of 256 (11008 for 4096)."""
+    ffn = int(2 * 4 * hidden_size / 3)
+    return multiple_of * math.ceil(ffn / multiple_of)
+
+
+def _add_model_args(p):
+    g = p.add_argument_group("model")
+    g.add_argument("--model-size", choices=sorted(MODEL_PRESETS), default=None,
+                   help="Llama preset; explicit shape flags override its fields")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="grouped-query attention groups (default: heads, i.e. MHA)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="SwiGLU width (default: Llama's rule from hidden size)")
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+
+
+def _add_parallel_args(p):
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: shard optimizer state across data-parallel ranks")
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_training_args(p):
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=3e-5)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train-iters")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine",
+                                                "inverse-square-root", "WSD"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving if --save) when iteration %% N == 0")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM: save a checkpoint and exit cleanly")
+
+
+def _add_logging_args(p):
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device, for the MFU column")
+    g.add_argument("--log-params-hash", action="store_true",
+                   help="print a hash of parameters and optimizer state at the end (tests)")
+
+
+def _add_data_args(p):
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--tokenizer-type", choices=["NullTokenizer", "ByteLevelTokenizer"],
+                   default="ByteLevelTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _add_checkpoint_args(p):
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--inject-fault", type=str, default=None, metavar="RANK:ITER[:SIGNAL]",
+                   help="kill RANK at ITER on the first attempt (tests and demos)")
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Llama pretraining on megatron-core",
+                                allow_abbrev=False)
+    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_logging_args,
+                _add_data_args, _add_checkpoint_args):
+        add(p)
+    if extra_args_provider is not None:
+        extra_args_provider(p)
+    return p
+
+
+def parse_args(argv=None, extra_args_provider=None, world_size=None):
+    args = build_parser(extra_args_provider).parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    validate_args(args)
+    return args
+
+
+def _fail(flag: str, msg: str):
+    raise ArgumentError(f"{flag}: {msg}")
+
+
+def _apply_preset(args):
+    preset = dict(MODEL_PRESETS[args.model_size or "tiny"])
+    if args.model_size is None and any(getattr(args, k) is not None for k in
+                                       ("num_layers", "hidden_size", "num_attention_heads")):
+        preset = {}  # fully explicit shape: nothing from the tiny preset
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(args, flag) is None:
+            _fail("--" + flag.replace("_", "-"), "required (or give --model-size)")
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = llama_ffn_hidden_size(args.hidden_size)
+    if args.seq_length is None:
+        args.seq_length = 4096 if args.model_size else 128
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+
+
+def validate_args(args):
+    """Fill derived values and reject impossible layouts with one-line errors."""
+    _apply_preset(args)
+    tp, pp, ws = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, \
+        args.world_size
+    for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--micro-batch-size", args.micro_batch_size),
+                    ("--train-iters", args.train_iters), ("--num-layers", args.num_layers)):
+        if v < 1:
+            _fail(flag, f"must be >= 1, got {v}")
+    if ws % (tp * pp):
+        _fail("--tensor-model-parallel-size/--pipeline-model-parallel-size",
+              f"world size {ws} is not divisible by TP x PP = {tp} x {pp}")
+    args.data_parallel_size = ws // (tp * pp)
+    if args.num_layers % pp:
+        _fail("--pipeline-model-parallel-size",
+              f"--num-layers {args.num_layers} is not divisible by PP {pp}")
+    if args.hidden_size % args.num_attention_heads:
+        _fail("--num-attention-heads", f"--hidden-size {args.hidden_size} is not divisible "
+              f"by {args.num_attention_heads} heads")
+    if args.num_attention_heads % tp:
+        _fail("--tensor-model-parallel-size",
+              f"{args.num_attention_heads} attention heads are not divisible by TP {tp}")
+    if args.num_attention_heads % args.num_query_groups:
+        _fail("--num-query-groups", f"{args.num_attention_heads} heads are not divisible "
+              f"by {args.num_query_groups} query groups")
+    if args.num_query_groups % tp:
+        _fail("--tensor-model-parallel-size",
+              f"{args.num_query_groups} query groups are not divisible by TP {tp}")
+    if args.ffn_hidden_size % tp:
+        _fail("--ffn-hidden-size", f"{args.ffn_hidden_size} is not divisible by TP {tp}")
+    _validate_virtual_pipeline(args)
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    if args.global_batch_size % (mbs * dp):
+        _fail("--global-batch-size", f"{args.global_batch_size} is not divisible by "
+              f"--micro-batch-size x data-parallel size = {mbs} x {dp}")
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
+        _fail("--global-batch-size", f"the interleaved schedule needs the number of "
+              f"micro-batches ({args.num_microbatches}) to be a multiple of PP {pp}")
+    if args.sequence_parallel and tp == 1:
+        _fail("--sequence-parallel", "needs --tensor-model-parallel-size > 1")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.min_lr > args.lr:
+        _fail("--min-lr", f"{args.min_lr} is larger than --lr {args.lr}")
+    if args.save_interval is not None and args.save_interval < 1:
+        _fail("--save-interval", "must be >= 1")
+    if args.save_interval and not args.save:
+        _fail("--save-interval", "needs --save DIR")
+    if args.async_save and not args.save:
+        _fail("--async-save", "needs --save DIR")
+    if args.mock_data and args.data_path:
+        _fail("--mock-data", "give either --mock-data or --data-path, not both")
+    if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
+        _fail("--vocab-size", "required with --tokenizer-type NullTokenizer")
+    if args.eval_interval < 1 or args.log_interval < 1:
+        _fail("--eval-interval/--log-interval", "must be >= 1")
+    if args.inject_fault is not None:
+        from megatron.training.fault_injection import parse_fault_spec
+        parse_fault_spec(args.inject_fault, ws)
+    return args
+
+
+def _validate_virtual_pipeline(args):
+    args.virtual_pipeline_model_parallel_size = None
+    per_vp = args.num_layers_per_virtual_pipeline_stage
+    if per_vp is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    if pp < 2:
+        _fail("--num-layers-per-virtual-pipeline-stage",
+              "the interleaved schedule needs --pipeline-model-parallel-size >= 2")
+    per_stage = args.num_layers // pp
+    if per_vp < 1 or per_stage % per_vp:
+        _fail("--num-layers-per-virtual-pipeline-stage", f"{per_vp} does not divide the "
+              f"{per_stage} layers of each pipeline stage")
+    vpp = per_stage // per_vp
+    if vpp < 2:
+        _fail("--num-layers-per-virtual-pipeline-stage", f"gives one chunk per stage; use a "
+              f"value below {per_stage} or drop the flag")
+    args.virtual_pipeline_model_parallel_size = vpp
+
+
+def format_args_table(args) -> str:
+    """Megatron's start-up table: one dotted line per argument."""
+    lines = ["------------------------ arguments ------------------------"]
+    for key in sorted(vars(args)):
+        dots = "." * max(2, 48 - len(key))
+        lines.append(f"  {key} {dots} {getattr(args, key)}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Process start-up: torch.distributed, megatron-core's parallel groups, CPU bridges, seeds."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+
+from megatron.training import cpu_compat
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_distributed(args) -> None:
+    """Join the process group (torchrun's env://, or a one-rank group on loopback)."""
+    cuda = torch.cuda.is_available()
+    backend = args.distributed_backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise RuntimeError("--distributed-backend nccl: no CUDA device here; use gloo")
+    if "RANK" not in os.environ:  # plain `python pretrain_llama.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    ws = torch.distributed.get_world_size()
+    if ws != args.world_size:
+        raise RuntimeError(f"WORLD_SIZE {args.world_size} at argument validation, "
+                           f"{ws} in the process group")
+    # before any megatron-core object exists: bridges for a machine without CUDA
+    cpu_compat.apply()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron's seeding: one seed per pipeline stage, the TP tracker on top.
+
+    All data-parallel replicas share a seed, so they initialise identical weights.
+    """
+    seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def configure_cpu_threads() -> None:
+    """One intra-op thread per rank unless told otherwise: ranks share the cores, and a
+    fixed thread count keeps CPU reductions (and so the losses) bit-reproducible."""
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def initialize_megatron(args) -> None:
+    configure_cpu_threads()
+    initialize_distributed(args)
+    set_random_seed(args.seed)

@@ -1,0 +1,231 @@
+"""The training loop: megatron-core schedules and optimizers, Megatron-LM's log lines.
+
+``pretrain(args)`` builds everything, loads ``--load`` if given, trains to
+``--train-iters`` and saves. Thin call sites for REFT live in ``hooks`` (a list of
+objects with optional ``on_start(state)``, ``after_step(state)``, ``on_exit(state)``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from functools import partial
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.timers import Timers
+
+from megatron.training import llama_model
+from megatron.training.checkpointing import Checkpointer
+from megatron.training.fault_injection import maybe_inject_fault, parse_fault_spec
+from megatron.training.initialize import initialize_megatron
+from megatron.training.arguments import format_args_table
+from megatron.training.signals import ExitSignal
+from megatron.training.train_log import TrainLogger
+from megatron.training.train_state import TrainingState, params_hash
+from megatron.training.utils import print_rank_0, process_start_time
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked token losses, token count, and the pair for logging (Megatron's)."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through one model chunk. Only chunks that embed tokens or
+    compute the loss read a batch, so each rank draws exactly one batch per
+    micro-batch from its iterator, in the schedule's order."""
+    module = model.module
+    pre, post = module.pre_process, module.post_process
+    batch = next(data_iterator) if (pre or post) else {}
+    output = model(
+        batch.get("tokens") if pre else None,
+        batch.get("position_ids") if pre else None,
+        batch.get("attention_mask"),
+        labels=batch.get("labels") if post else None,
+    )
+    return output, partial(loss_func, batch.get("loss_mask"))
+
+
+def _reduce_losses(losses_reduced) -> dict:
+    """Average the micro-batch [sum, count] pairs over the data-parallel group."""
+    if not mpu.is_pipeline_last_stage(ignore_virtual=True) or not losses_reduced:
+        return {}
+    out = {}
+    for key in losses_reduced[0]:
+        val = torch.vstack([x[key].view(-1) for x in losses_reduced]).sum(dim=0)
+        torch.distributed.all_reduce(val, group=mpu.get_data_parallel_group())
+        out[key] = (val[0] / val[1]).item()
+    return out
+
+
+def _iterators_for(model, it):
+    return [it] * len(model) if len(model) > 1 else it
+
+
+class Trainer:
+    def __init__(self, args, hooks=()):
+        self.args = args
+        self.hooks = list(hooks)
+        self.t_process = process_start_time()
+        initialize_megatron(args)
+        from megatron.training.tokenizer import build_tokenizer
+
+        self.tokenizer = build_tokenizer(args)
+        print_rank_0(format_args_table(args))
+        self.timers = Timers(log_level=0, log_option="minmax")
+        self.config = llama_model.transformer_config(args)
+        model = llama_model.build_model(args, self.config)
+        optimizer = llama_model.build_optimizer(args, model)
+        scheduler = llama_model.build_scheduler(args, optimizer)
+        cfg = self.config
+        cfg.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+        cfg.finalize_model_grads_func = finalize_model_grads
+        cfg.grad_scale_func = optimizer.scale_loss
+        self.state = TrainingState(model, optimizer, scheduler)
+        self.fault = parse_fault_spec(args.inject_fault) if args.inject_fault else None
+        self.ckpt = Checkpointer(args) if (args.save or args.load) else None
+        self.exit_signal = ExitSignal() if args.exit_signal_handler else None
+        n_params = llama_model.num_parameters(model)
+        print(f" > rank {torch.distributed.get_rank()}: (tp, pp, dp) = "
+              f"({mpu.get_tensor_model_parallel_rank()}, "
+              f"{mpu.get_pipeline_model_parallel_rank()}, {mpu.get_data_parallel_rank()}), "
+              f"parameters on this rank: {n_params}", flush=True)
+        if args.load:
+            self.ckpt.load(self.state)
+        self.logger = TrainLogger(args, self.state)
+        self._build_data()
+        self.losses: dict[int, str] = {}  # iteration -> loss as float.hex, for tests
+
+    def _build_data(self):
+        from megatron.training.data import build_train_valid_test_data_iterators
+
+        s = self.state
+        self.train_it, self.valid_it, _ = build_train_valid_test_data_iterators(
+            self.args, self.tokenizer, s.consumed_train_samples, s.consumed_valid_samples)
+
+    # ---- one step ----------------------------------------------------------------
+    def train_step(self):
+        args, s = self.args, self.state
+        for chunk in s.model:
+            chunk.zero_grad_buffer()
+        s.optimizer.zero_grad()
+        self.timers("forward-backward", log_level=0).start()
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=_iterators_for(s.model, self.train_it),
+            model=s.model,
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=None,
+            forward_only=False,
+        )
+        self.timers("forward-backward").stop()
+        self.timers("optimizer", log_level=0).start()
+        ok, grad_norm, _ = s.optimizer.step()
+        self.timers("optimizer").stop()
+        if ok:
+            s.scheduler.step(increment=args.global_batch_size)
+        return _reduce_losses(losses), (0 if ok else 1), grad_norm
+
+    def evaluate(self):
+        args, s = self.args, self.state
+        for chunk in s.model:
+            chunk.eval()
+        totals = {}
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                losses = get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=_iterators_for(s.model, self.valid_it),
+                    model=s.model, num_microbatches=args.num_microbatches,
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    decoder_seq_length=None, forward_only=True)
+                s.consumed_valid_samples += args.global_batch_size
+                for k, v in _reduce_losses(losses).items():
+                    totals[k] = totals.get(k, 0.0) + v / args.eval_iters
+        for chunk in s.model:
+            chunk.train()
+        self.logger.validation(totals)
+
+    # ---- the loop ----------------------------------------------------------------
+    def train(self) -> TrainingState:
+        args, s = self.args, self.state
+        for hook in self.hooks:
+            getattr(hook, "on_start", lambda st: None)(s)
+        first = True
+        while s.iteration < args.train_iters:
+            maybe_inject_fault(self.fault, torch.distributed.get_rank(), s.iteration + 1)
+            t0 = time.time()
+            if first:
+                self.logger.startup(t0 - self.t_process)
+                first = False
+            loss, skipped, grad_norm = self.train_step()
+            s.iteration += 1
+            s.consumed_train_samples += args.global_batch_size
+            s.skipped_iters += skipped
+            if "lm loss" in loss:
+                self.losses[s.iteration] = float(loss["lm loss"]).hex()
+                if not math.isfinite(loss["lm loss"]):
+                    s.nan_iters += 1
+            for hook in self.hooks:
+                getattr(hook, "after_step", lambda st: None)(s)
+            if self.ckpt:
+                self.ckpt.maybe_finalize(blocking=False)
+            self.logger.iteration(loss, grad_norm, skipped, time.time() - t0, self.timers)
+            if s.iteration % args.eval_interval == 0 and args.eval_iters > 0:
+                self.evaluate()
+            if self._should_stop():
+                break
+        self._finish()
+        return s
+
+    def _should_stop(self) -> bool:
+        args, s = self.args, self.state
+        saved = False
+        if args.save and args.save_interval and s.iteration % args.save_interval == 0:
+            self.ckpt.save(s)
+            saved = True
+        stop = bool(args.exit_interval and s.iteration % args.exit_interval == 0)
+        if self.exit_signal is not None and self.exit_signal.received_anywhere():
+            print_rank_0(f"exit signal received: stopping at iteration {s.iteration}")
+            stop = True
+        if stop and args.save and not saved:
+            self.ckpt.save(s)
+        self._stopped_early = stop
+        return stop
+
+    def _finish(self):
+        args, s = self.args, self.state
+        if args.save and not getattr(self, "_stopped_early", False) and \
+                not (args.save_interval and s.iteration % args.save_interval == 0):
+            self.ckpt.save(s)
+        if self.ckpt:
+            self.ckpt.close()
+        if args.save:
+            print_rank_0(f"checkpoints are in {os.path.abspath(args.save)}")
+        for hook in self.hooks:
+            getattr(hook, "on_exit", lambda st: None)(s)
+        if args.log_params_hash:
+            print(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
+                  f"state {params_hash(s)}", flush=True)
+            if self.losses:
+                print(f"[LOSSES] rank {torch.distributed.get_rank()} " + " ".join(
+                    f"{i}:{h}" for i, h in sorted(self.losses.items())), flush=True)
+        self.logger.close()
+
+
+def pretrain(args, hooks=()) -> TrainingState:
+    trainer = Trainer(args, hooks)
+    state = trainer.train()
+    torch.distributed.barrier()
+    return state

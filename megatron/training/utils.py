@@ -1,0 +1,53 @@
+"""Small helpers shared by the trainer: rank-filtered printing, process timing."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def print_rank_0(msg: str) -> None:
+    if _rank() == 0:
+        print(msg, flush=True)
+
+
+def print_rank_last(msg: str) -> None:
+    """The last rank sits on the last pipeline stage, where the loss is."""
+    if _rank() == _world() - 1:
+        print(msg, flush=True)
+
+
+def is_last_rank() -> bool:
+    return _rank() == _world() - 1
+
+
+def process_start_time() -> float:
+    """Wall-clock time at which this process started (for start-up latency figures)."""
+    try:
+        import psutil
+
+        return psutil.Process(os.getpid()).create_time()
+    except Exception:  # noqa: BLE001 - psutil missing: the import time is close enough
+        return _IMPORT_TIME
+
+
+def log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+_IMPORT_TIME = time.time()

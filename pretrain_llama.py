@@ -1,0 +1,30 @@
+"""Pretrain a Llama model with megatron-core (CPU/gloo or GPU/NCCL).
+
+    torchrun --nproc-per-node 4 pretrain_llama.py --model-size tiny \
+        --pipeline-model-parallel-size 2 --use-distributed-optimizer --mock-data ...
+"""
+
+import sys
+
+from megatron.training.arguments import ArgumentError, parse_args
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+    except ArgumentError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    from megatron.training.checkpointing import CheckpointError
+    from megatron.training.training import pretrain
+
+    try:
+        pretrain(args)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
