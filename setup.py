@@ -34,7 +34,7 @@ setup(
         "psutil",  # needed by megatron-core's dist_checkpointing writer, undeclared there
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard"],
         "gpu": ["transformer-engine", "apex"],
     },
     ext_modules=get_ext_modules(),

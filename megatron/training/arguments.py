@@ -158,9 +158,11 @@ def _fail(flag: str, msg: str):
 
 def _apply_preset(args):
     preset = dict(MODEL_PRESETS[args.model_size or "tiny"])
-    if args.model_size is None and any(getattr(args, k) is not None for k in
-                                       ("num_layers", "hidden_size", "num_attention_heads")):
-        preset = {}  # fully explicit shape: nothing from the tiny preset
+    # values derived from the preset's width only hold for that width
+    if args.hidden_size is not None:
+        preset.pop("ffn_hidden_size", None)
+    if args.num_attention_heads is not None:
+        preset.pop("num_query_groups", None)
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -223,6 +225,9 @@ def validate_args(args):
         _fail("--sequence-parallel", "needs --tensor-model-parallel-size > 1")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters and args.lr_warmup_iters > 0:
+        _fail("--lr-warmup-iters", f"{args.lr_warmup_iters} must be below --lr-decay-iters "
+              f"({args.lr_decay_iters}, default --train-iters)")
     if args.min_lr > args.lr:
         _fail("--min-lr", f"{args.min_lr} is larger than --lr {args.lr}")
     if args.save_interval is not None and args.save_interval < 1:

@@ -17,6 +17,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training import optimizer_state
 from megatron.training.train_state import TrainingState
@@ -63,7 +64,21 @@ def _prewarm_results_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
     if fa._results_queue is None:
-        fa._results_queue = mp.get_context("fork").Manager().Queue()
+        from multiprocessing.managers import SyncManager
+
+        manager = SyncManager(ctx=mp.get_context("fork"))
+        manager.start(initializer=_die_with_parent)
+        fa._results_queue = manager.Queue()
+
+
+def _die_with_parent() -> None:
+    """Runs in the manager process: a SIGKILLed trainer must not leave it behind
+    (an orphan keeps the job's stdout open and its torchrun waiting)."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_optim=True,
@@ -159,6 +174,11 @@ class Checkpointer:
         args = self.args
         root = args.load
         if not os.path.isdir(root):
+            if args.save and os.path.abspath(args.save) == os.path.abspath(root):
+                # `--save D --load D` is how a job resumes itself; its first start has no D
+                print_rank_0(f"--load {root} does not exist yet (same as --save): "
+                             f"starting from scratch")
+                return False
             raise CheckpointError(f"--load {root}: no such directory")
         it = read_tracker(root)
         if it is None:
@@ -170,15 +190,21 @@ class Checkpointer:
                                   f"{path} is missing or incomplete")
         t0 = time.time()
         load_optim, load_rng = not args.no_load_optim, not args.no_load_rng
+        try:  # the layout first, from the small common file: a clear error, no big reads
+            common = dist_checkpointing.load_common_state_dict(path)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
+            raise CheckpointError(f"--load {root}: cannot read {path}/common.pt: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        self._check_layout(common.get("args", {}), path)
         with torch.no_grad():  # upstream bug 2
             sd = sharded_state_dict(state, args, is_loading=True, load_optim=load_optim,
                                     load_rng=load_rng)
             try:
                 loaded = dist_checkpointing.load(sd, path)
-            except Exception as exc:  # noqa: BLE001 - name the file, keep the cause
+            # torch DCP raises CheckpointException, a BaseException
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001
                 raise CheckpointError(f"--load {root}: cannot read checkpoint {path}: "
-                                      f"{type(exc).__name__}: {exc}") from exc
-            self._check_layout(loaded["args"], path)
+                                      f"{type(exc).__name__}: {str(exc)[:500]}") from exc
             for i, chunk in enumerate(state.model):
                 key = "model" if len(state.model) == 1 else f"model{i}"
                 chunk.module.load_state_dict(loaded[key], strict=True)

@@ -22,6 +22,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _elastic_store_kwargs(timeout) -> dict:
+    """torchrun (2.13) shares its agent's TCPStore with the workers across restarts
+    without a per-attempt key prefix, so after a restart gloo reads the previous
+    attempt's (dead) peer addresses and fails with "Connection refused". Prefix the
+    store with the restart count, as the agent-store docstring says should happen."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dict(store=torch.distributed.PrefixStore(f"reft/attempt_{attempt}", store),
+                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def initialize_distributed(args) -> None:
     """Join the process group (torchrun's env://, or a one-rank group on loopback)."""
     cuda = torch.cuda.is_available()
@@ -35,9 +50,9 @@ def initialize_distributed(args) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        torch.distributed.init_process_group(backend=backend, timeout=timeout,
+                                             **_elastic_store_kwargs(timeout))
     ws = torch.distributed.get_world_size()
     if ws != args.world_size:
         raise RuntimeError(f"WORLD_SIZE {args.world_size} at argument validation, "

@@ -115,6 +115,9 @@ class TrainingState:
         for (_, dst), (_, src) in zip(current, snap["tensors"]):
             dst.copy_(src)
         optimizer_state.set_adam_steps(self.optimizer, snap["adam_steps"])
+        # OptimizerParamScheduler.load_state_dict *advances* by the saved step count (it
+        # expects a fresh scheduler), so rewind a live one first
+        self.scheduler.num_steps = 0
         self.scheduler.load_state_dict(snap["scheduler"])
         _set_grad_scaler_state(self.optimizer, snap["grad_scaler"])
         self.set_counters(snap["counters"])

@@ -26,7 +26,7 @@ from megatron.training.arguments import format_args_table
 from megatron.training.signals import ExitSignal
 from megatron.training.train_log import TrainLogger
 from megatron.training.train_state import TrainingState, params_hash
-from megatron.training.utils import print_rank_0, process_start_time
+from megatron.training.utils import is_last_rank, print_rank_0, process_start_time
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -218,7 +218,7 @@ class Trainer:
         if args.log_params_hash:
             print(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
                   f"state {params_hash(s)}", flush=True)
-            if self.losses:
+            if self.losses and is_last_rank():
                 print(f"[LOSSES] rank {torch.distributed.get_rank()} " + " ".join(
                     f"{i}:{h}" for i, h in sorted(self.losses.items())), flush=True)
         self.logger.close()

@@ -1,0 +1,151 @@
+"""Copy-engine and XOR-kernel throughput next to numpy/torch references, in one run.
+
+    python benchmarks/bench_kernels.py                      # 64 MiB, 256 MiB, 1 GiB
+    python benchmarks/bench_kernels.py --sizes 64M,256M --repeats 7
+
+Every figure is GB/s (1e9 bytes) of *bytes written* (the destination of a copy,
+the parity of an XOR encode), the median of --repeats timed runs after one
+warm-up.  Methods are timed round-robin (one run of each method, then the next
+round) so that load from other processes on a shared machine spreads over all
+rows instead of hitting one.
+
+Ratios printed under the table (targets from the issue):
+  copy 1T / numpy copyto         >= 0.9   (numpy copyto is this machine's memcpy)
+  copy allT / numpy copyto       >  1.0
+  XOR k=2 allT / numpy xor       >= 1.5   (numpy's 2-input bitwise_xor, per output byte)
+  XOR k allT / traffic bound     >= 0.8
+The traffic bound of a k-member encode is what the memory system can give it:
+an encode reads k bytes and writes 1 per output byte, a copy reads 1 and writes
+1, so with the best copy rate B measured in the same column (any method, any
+thread count) bound_k = B * 2 / (k + 1).  See docs/csrc.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from reft_ext import _native  # noqa: E402
+from reft_ext.copy_engine import CopyEngine  # noqa: E402
+from reft_ext.xor_code import xor_encode  # noqa: E402
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s.rstrip("KMG")) * mult)
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 and n % (1 << 30) == 0 else f"{n >> 20} MiB"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def methods(n: int, ks: list[int], threads: int):
+    """(row name, callable, bytes written) for buffers of n bytes."""
+    kmax = max(ks + [2])
+    # Distinct non-zero fills so every page is really backed before timing.
+    srcs = [np.full(n, 17 + j, dtype=np.uint8) for j in range(kmax)]
+    out = np.full(n, 3, dtype=np.uint8)
+    ts = [torch.from_numpy(a) for a in srcs]
+    to = torch.from_numpy(out)
+    eng1, engn = CopyEngine(num_threads=1), CopyEngine(num_threads=threads)
+    rows = [
+        ("numpy copyto", lambda: np.copyto(out, srcs[0])),
+        ("torch copy_", lambda: to.copy_(ts[0])),
+        ("engine copy 1T", lambda: eng1.submit([(ts[0], to, 0, 0, n)]).wait()),
+        (f"engine copy {threads}T", lambda: engn.submit([(ts[0], to, 0, 0, n)]).wait()),
+        ("numpy bitwise_xor", lambda: np.bitwise_xor(srcs[0], srcs[1], out=out)),
+        ("torch bitwise_xor", lambda: torch.bitwise_xor(ts[0], ts[1], out=to)),
+    ]
+    for k in ks:
+        rows.append((f"XOR encode k={k} 1T",
+                     lambda k=k: xor_encode(ts[:k], to, num_threads=1)))
+        rows.append((f"XOR encode k={k} {threads}T",
+                     lambda k=k: xor_encode(ts[:k], to, num_threads=threads)))
+    return rows, (eng1, engn)
+
+
+def bench_size(n: int, ks: list[int], threads: int, repeats: int) -> dict[str, float]:
+    rows, engines = methods(n, ks, threads)
+    times: dict[str, list[float]] = {name: [] for name, _ in rows}
+    for _, fn in rows:  # warm-up: page tables, thread pools, caches
+        fn()
+    for _ in range(repeats):
+        for name, fn in rows:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    for e in engines:
+        e.close()
+    return {name: n / statistics.median(v) / 1e9 for name, v in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64M,256M,1G", help="comma list, e.g. 64M,256M,1G")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ks", default="2,4,8", help="XOR member counts")
+    ap.add_argument("--threads", type=int, default=0, help="'all threads' count (0: all CPUs)")
+    args = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    ks = [int(k) for k in args.ks.split(",") if k]
+    threads = args.threads or _native.num_cpus()
+
+    info = _native.info()
+    print(f"# {cpu_model()} | {os.cpu_count()} CPUs, {threads} used | python "
+          f"{platform.python_version()} | numpy {np.__version__} | torch {torch.__version__}")
+    print(f"# native: {info.get('build', info.get('reason'))}")
+    print(f"# GB/s (1e9 B/s) of bytes written, median of {args.repeats}; "
+          f"loadavg at start {os.getloadavg()[0]:.2f}")
+    cols: list[dict[str, float]] = []
+    for n in sizes:
+        cols.append(bench_size(n, ks, threads, args.repeats))
+    names = list(cols[0])
+    w = max(len(x) for x in names + [f"XOR k={max(ks)} {threads}T / numpy xor"]) + 2
+    header = "method".ljust(w) + "".join(fmt_size(n).rjust(11) for n in sizes)
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        print(name.ljust(w) + "".join(f"{c[name]:11.2f}" for c in cols))
+
+    def ratio_row(label: str, fn) -> None:
+        print(label.ljust(w) + "".join(f"{fn(c):11.2f}" for c in cols))
+
+    print("-" * len(header))
+    ratio_row("copy 1T / numpy copyto", lambda c: c["engine copy 1T"] / c["numpy copyto"])
+    ratio_row(f"copy {threads}T / numpy copyto",
+              lambda c: c[f"engine copy {threads}T"] / c["numpy copyto"])
+    copy_rows = ["numpy copyto", "torch copy_", "engine copy 1T", f"engine copy {threads}T"]
+    for k in ks:
+        ratio_row(f"XOR k={k} {threads}T / numpy xor",
+                  lambda c, k=k: c[f"XOR encode k={k} {threads}T"] / c["numpy bitwise_xor"])
+    for k in ks:
+        ratio_row(f"XOR k={k} {threads}T / bound",
+                  lambda c, k=k: c[f"XOR encode k={k} {threads}T"]
+                  / (max(c[r] for r in copy_rows) * 2 / (k + 1)))
+    print(f"# loadavg at end {os.getloadavg()[0]:.2f}; bound_k = best copy row * 2/(k+1)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

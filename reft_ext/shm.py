@@ -1,0 +1,320 @@
+"""Named POSIX shared-memory segments that outlive the training process.
+
+A segment is a file ``<base>/reft-<job_id>/<name>`` on a tmpfs (default base:
+``$REFT_SHM_DIR`` or ``/dev/shm``), directory mode 0700, file mode 0600,
+created with O_CREAT|O_EXCL so two writers never share one by accident.  It is
+mapped MAP_SHARED and exposed as a zero-copy torch tensor; after the process
+dies (even by SIGKILL) the bytes stay in the page cache of the tmpfs and a new
+process ``attach``es to them.
+
+Space is checked with statvfs *before* the file grows, then reserved with
+posix_fallocate, so running out of /dev/shm is a clear ShmSpaceError at
+create/resize time and never a SIGBUS when a page is first touched later.
+
+    seg = ShmSegment.create("job42", "rank0-snap", nbytes)
+    seg.tensor()[:n].copy_(...)           # or CopyEngine into seg.tensor()
+    # ... process killed, restarted ...
+    seg = ShmSegment.attach("job42", "rank0-snap")
+    ShmSegment.remove_job("job42")        # when the job is over
+
+Views returned by ``tensor()`` keep their mapping alive (``close``/``resize``
+never unmap memory under a live tensor); ``resize`` to a smaller size refuses
+while any view exists (such a view would SIGBUS past the new end).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+import stat
+
+import numpy as np
+import torch
+
+from reft_ext import _native
+
+log = logging.getLogger("reft")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+class ShmSpaceError(OSError):
+    """Not enough free space on the shared-memory filesystem."""
+
+
+def default_base_dir() -> str:
+    return os.environ.get("REFT_SHM_DIR") or "/dev/shm"
+
+
+def job_dir(job_id: str, base_dir: str | None = None) -> str:
+    _check_name(job_id, "job_id")
+    return os.path.join(base_dir or default_base_dir(), f"reft-{job_id}")
+
+
+def _check_name(s: str, what: str) -> None:
+    if not isinstance(s, str) or not _NAME_RE.match(s):
+        raise ValueError(f"{what} {s!r} must match {_NAME_RE.pattern} (no '/', no leading '.')")
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _space_error(path: str, need: int, free: int) -> ShmSpaceError:
+    return ShmSpaceError(
+        errno.ENOSPC,
+        f"shared-memory segment {path} needs {need} more bytes ({need / 2**30:.2f} GiB) but its "
+        f"filesystem has {free} bytes ({free / 2**30:.2f} GiB) free; lower the snapshot footprint "
+        f"with --reft-host-memory-limit or point --reft-shm-dir at a larger tmpfs "
+        f"(e.g. a bigger /dev/shm: docker --shm-size, mount -o remount,size=...)")
+
+
+def _reserve(fd: int, path: str, offset: int, length: int) -> None:
+    """Grows the file to offset+length with its pages really allocated."""
+    if length <= 0:
+        return
+    free = _free_bytes(os.path.dirname(path))
+    if length > free:
+        raise _space_error(path, length, free)
+    try:
+        os.posix_fallocate(fd, offset, length)  # tmpfs allocates the pages now
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG):  # lost a race for the space
+            raise _space_error(path, length, _free_bytes(os.path.dirname(path))) from exc
+        raise
+
+
+def _ensure_private_dir(path: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ENOTDIR, f"{path} exists and is not a directory")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+class ShmSegment:
+    """One named segment; use :meth:`create` or :meth:`attach`, not the constructor."""
+
+    def __init__(self, path: str, fd: int, nbytes: int, job_id: str, name: str):
+        self.path, self.job_id, self.name = path, job_id, name
+        self._fd: int | None = fd
+        self.nbytes = nbytes
+        self._mm: mmap.mmap | None = None
+        self._retired: list[mmap.mmap] = []  # older mappings that live views still use
+        self._pinned_ptr: int | None = None
+        self._map()
+
+    # ------------------------------------------------------------ lifecycle
+    @classmethod
+    def create(cls, job_id: str, name: str, nbytes: int, *, base_dir: str | None = None,
+               pin: bool = False) -> ShmSegment:
+        """New segment of nbytes (FileExistsError if the name is taken)."""
+        _check_name(name, "name")
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        d = job_dir(job_id, base_dir)
+        _ensure_private_dir(d)
+        path = os.path.join(d, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            _reserve(fd, path, 0, int(nbytes))
+            seg = cls(path, fd, int(nbytes), job_id, name)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        if pin:
+            seg.pin()
+        return seg
+
+    @classmethod
+    def attach(cls, job_id: str, name: str, *, base_dir: str | None = None,
+               pin: bool = False) -> ShmSegment:
+        """Maps an existing segment (e.g. after a restart); FileNotFoundError if absent."""
+        _check_name(name, "name")
+        path = os.path.join(job_dir(job_id, base_dir), name)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise PermissionError(f"{path}: not a private (0600, own uid) REFT segment")
+            seg = cls(path, fd, st.st_size, job_id, name)
+        except BaseException:
+            os.close(fd)
+            raise
+        if pin:
+            seg.pin()
+        return seg
+
+    @staticmethod
+    def exists(job_id: str, name: str, *, base_dir: str | None = None) -> bool:
+        _check_name(name, "name")
+        return os.path.isfile(os.path.join(job_dir(job_id, base_dir), name))
+
+    @staticmethod
+    def list(job_id: str, *, base_dir: str | None = None) -> list[str]:
+        d = job_dir(job_id, base_dir)
+        return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+    @staticmethod
+    def remove_job(job_id: str, *, base_dir: str | None = None) -> None:
+        """Deletes every segment of the job and its directory (end of job / tests)."""
+        d = job_dir(job_id, base_dir)
+        for n in ShmSegment.list(job_id, base_dir=base_dir):
+            os.unlink(os.path.join(d, n))
+        if os.path.isdir(d):
+            os.rmdir(d)
+
+    def close(self) -> None:
+        """Unmaps and closes this process's handle; the segment itself stays."""
+        self.unpin()
+        self._unmap(strict=False)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def unlink(self) -> None:
+        """Closes and removes the segment (and the job directory once empty)."""
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        try:
+            os.rmdir(os.path.dirname(self.path))
+        except OSError:
+            pass  # other segments remain
+
+    def resize(self, nbytes: int) -> None:
+        """Grows (space checked and reserved) or shrinks the segment and remaps it.
+
+        Growing keeps older views valid (they map the old, still-present prefix).
+        Shrinking raises RuntimeError while views exist."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        if self._fd is None:
+            raise RuntimeError("segment is closed")
+        if nbytes == self.nbytes:
+            return
+        was_pinned = self._pinned_ptr is not None
+        self.unpin()
+        if nbytes < self.nbytes:
+            try:
+                self._unmap(strict=True)
+            except RuntimeError:
+                if was_pinned:
+                    self.pin()
+                raise
+            os.ftruncate(self._fd, nbytes)
+        else:
+            _reserve(self._fd, self.path, self.nbytes, nbytes - self.nbytes)
+            self._unmap(strict=False)
+        self.nbytes = nbytes
+        self._map()
+        if was_pinned:
+            self.pin()
+
+    def __enter__(self) -> ShmSegment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------ access
+    def tensor(self, dtype: torch.dtype = torch.uint8, offset: int = 0,
+               count: int = -1) -> torch.Tensor:
+        """Zero-copy 1-D view of the segment (bytes [offset, offset+count*itemsize))."""
+        if self._fd is None:
+            raise RuntimeError("segment is closed")
+        item = torch.empty((), dtype=dtype).element_size()
+        if count < 0:
+            count = (self.nbytes - offset) // item
+        if offset < 0 or offset + count * item > self.nbytes:
+            raise ValueError(f"view [{offset}, {offset + count * item}) outside {self.nbytes} bytes")
+        if count == 0 or self._mm is None:
+            return torch.empty(0, dtype=dtype)
+        # Not torch.frombuffer: it drops the buffer export, so the mapping could be
+        # unmapped (close/resize) under a live tensor.  A numpy view holds the
+        # export, and the tensor holds the numpy array, for as long as it lives.
+        arr = np.frombuffer(self._mm, dtype=np.uint8, count=count * item, offset=offset)
+        return torch.from_numpy(arr).view(dtype)
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned_ptr is not None
+
+    def pin(self) -> bool:
+        """Page-locks the mapping for async device->host copies; False without CUDA."""
+        if self._pinned_ptr is not None:
+            return True
+        if self._mm is None or not torch.cuda.is_available():
+            return False
+        ptr = self.tensor().data_ptr()
+        if _native.HAVE_NATIVE_CUDA:
+            _native.C.cuda_host_register(ptr, self.nbytes)
+        else:
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 1)  # 1 = Portable
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister({self.path}, {self.nbytes}) failed: {rc}")
+        self._pinned_ptr = ptr
+        return True
+
+    def unpin(self) -> None:
+        if self._pinned_ptr is None:
+            return
+        ptr, self._pinned_ptr = self._pinned_ptr, None
+        if _native.HAVE_NATIVE_CUDA:
+            _native.C.cuda_host_unregister(ptr)
+        else:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    # ------------------------------------------------------------ mapping
+    def _map(self) -> None:
+        if self.nbytes == 0:
+            self._mm = None
+            return
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # no fault per page later
+        self._mm = mmap.mmap(self._fd, self.nbytes, flags=flags,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def _unmap(self, strict: bool) -> None:
+        """Drops the current mapping.  Mappings that live views still use are kept
+        (they are unmapped when the last view dies); strict=True raises instead when
+        any mapping of this object, current or retired, still has views."""
+
+        def try_close(mm) -> bool:
+            try:
+                mm.close()
+                return True
+            except BufferError:
+                return False
+
+        self._retired = [mm for mm in self._retired if not try_close(mm)]
+        cur_alive = self._mm is not None and not try_close(self._mm)
+        if strict and (cur_alive or self._retired):
+            if not cur_alive:  # the current one was closed: restore it
+                self._mm = None
+                self._map()
+            raise RuntimeError(f"{self.path}: tensor views of the segment are still alive; "
+                               "drop them before shrinking it")
+        if cur_alive:
+            log.debug("[REFT] %s: mapping kept alive by tensor views", self.path)
+            self._retired.append(self._mm)
+        self._mm = None
+
+    def __repr__(self) -> str:
+        return f"ShmSegment({self.path!r}, nbytes={self.nbytes}, pinned={self.pinned})"

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Tokenize a JSONL corpus into megatron-core's indexed dataset format (.bin + .idx).
+
+    python tools/preprocess_data.py --input data/pd_english.jsonl.gz \
+        --output-prefix data/pd_english --tokenizer-type ByteLevelTokenizer --append-eod
+
+writes data/pd_english_text_document.{bin,idx} (Megatron-LM naming: `<prefix>_<key>_document`;
+a prefix that already ends in `_text_document` is used as is). Pass the resulting prefix to
+training as `--data-path data/pd_english_text_document`.
+
+Flags follow Megatron-LM's tools/preprocess_data.py (--input, --output-prefix, --json-keys,
+--tokenizer-type, --vocab-size, --append-eod, --workers, --log-interval). Input may be plain,
+gzip (.gz) or xz (.xz) compressed JSONL, one {"text": ...} object per line. Documents are written
+in input order; one document is one sequence (no sentence splitting). Empty documents are
+skipped (a zero-length sequence is useless to GPTDataset).
+
+The writing goes through megatron-core's IndexedDatasetBuilder, so the files are exactly what
+megatron.core.datasets.indexed_dataset.IndexedDataset reads. Outputs are written under temporary
+names and renamed into place, so a reader never sees a half-written .bin/.idx pair.
+"""
+
+import argparse
+import gzip
+import io
+import json
+import lzma
+import multiprocessing
+import os
+import sys
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+# Runnable as a script from anywhere: the repo root (parent of tools/) holds megatron/training.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+import numpy  # noqa: E402
+
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+from megatron.training.tokenizer import build_tokenizer  # noqa: E402
+
+DOCUMENT_LEVEL = "document"
+
+
+def open_text(path: str) -> io.TextIOBase:
+    """Open plain / .gz / .xz text for reading as UTF-8."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    if path.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8")
+    return open(path, "r", encoding="utf-8")
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """`<prefix>_<key>_document`, unless the prefix already carries that suffix."""
+    suffix = f"_{key}_{DOCUMENT_LEVEL}"
+    return output_prefix if output_prefix.endswith(suffix) else output_prefix + suffix
+
+
+def _make_tokenizer(tokenizer_type: str, vocab_size: Optional[int]):
+    ns = argparse.Namespace(
+        tokenizer_type=tokenizer_type, vocab_size=vocab_size,
+        make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, padded_vocab_size=None,
+    )
+    return build_tokenizer(ns)
+
+
+class _Encoder:
+    """Per-process tokenizer state. A class (not a closure) so multiprocessing can use it."""
+
+    tokenizer = None
+    keys: Sequence[str] = ("text",)
+    append_eod = False
+
+    @classmethod
+    def initialize(cls, tokenizer_type, vocab_size, keys, append_eod):
+        cls.tokenizer = _make_tokenizer(tokenizer_type, vocab_size)
+        cls.keys, cls.append_eod = tuple(keys), append_eod
+
+    @classmethod
+    def encode(cls, line: str) -> Tuple[Optional[Dict[str, List[int]]], int]:
+        """One JSONL line -> ({key: token ids}, utf-8 bytes read); (None, n) for blank lines."""
+        if not line.strip():
+            return None, len(line)
+        doc = json.loads(line)
+        out = {}
+        for key in cls.keys:
+            if key not in doc:
+                raise KeyError(f"JSON key {key!r} missing in line: {line[:80]!r}")
+            ids = cls.tokenizer.tokenize(doc[key]) if doc[key] else []
+            if ids and cls.append_eod:
+                ids.append(cls.tokenizer.eod)
+            out[key] = ids
+        return out, len(line.encode("utf-8"))
+
+
+class _Progress:
+    """tqdm when installed, else a stderr line every `interval` documents."""
+
+    def __init__(self, interval: int, quiet: bool):
+        self.interval, self.quiet, self.t0 = interval, quiet, time.time()
+        self.bar = None
+        if not quiet:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(unit="doc", file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, docs: int, nbytes: int, final: bool = False) -> None:
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.update(1) if not final else self.bar.close()
+            return
+        if final or docs % self.interval == 0:
+            dt = max(time.time() - self.t0, 1e-9)
+            end = "\n" if final else "\r"
+            print(f"processed {docs} documents ({docs / dt:.0f} docs/s, "
+                  f"{nbytes / dt / 2**20:.2f} MB/s)", end=end, file=sys.stderr, flush=True)
+
+
+def preprocess_jsonl(
+    input_path: str,
+    output_prefix: str,
+    tokenizer_type: str = "ByteLevelTokenizer",
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = False,
+    workers: int = 1,
+    vocab_size: Optional[int] = None,
+    log_interval: int = 1000,
+    quiet: bool = False,
+) -> Dict[str, str]:
+    """Tokenize `input_path` and write one indexed dataset per JSON key.
+
+    Returns {key: written path prefix}. `workers > 1` tokenizes in a process pool (order kept).
+    """
+    tokenizer = _make_tokenizer(tokenizer_type, vocab_size)
+    # uint16 tokens for vocabularies below 65500 (byte-level: 2 bytes/token), int32 otherwise;
+    # megatron-core reads the dtype back from the .idx header.
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    prefixes = {k: output_prefix_for(output_prefix, k) for k in json_keys}
+    tmp = f".tmp{os.getpid()}"
+    builders = {}
+    for key, prefix in prefixes.items():
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        builders[key] = IndexedDatasetBuilder(prefix + tmp + ".bin", dtype=dtype)
+
+    pool = None
+    with open_text(input_path) as lines:
+        if workers > 1:
+            pool = multiprocessing.get_context("fork").Pool(
+                workers, initializer=_Encoder.initialize,
+                initargs=(tokenizer_type, vocab_size, json_keys, append_eod),
+            )
+            encoded: Iterable = pool.imap(_Encoder.encode, lines, chunksize=64)
+        else:
+            _Encoder.initialize(tokenizer_type, vocab_size, json_keys, append_eod)
+            encoded = map(_Encoder.encode, lines)
+        progress = _Progress(log_interval, quiet)
+        docs = skipped = nbytes = 0
+        try:
+            for doc, n in encoded:
+                nbytes += n
+                if doc is None:
+                    continue
+                for key, ids in doc.items():
+                    if not ids:
+                        skipped += 1
+                        continue
+                    builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                docs += 1
+                progress.update(docs, nbytes)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+        progress.update(docs, nbytes, final=True)
+
+    for key, prefix in prefixes.items():
+        builders[key].finalize(prefix + tmp + ".idx")
+        # .bin first, .idx last: readers test for both, and the pair is only complete once the
+        # .idx appears.
+        os.replace(prefix + tmp + ".bin", prefix + ".bin")
+        os.replace(prefix + tmp + ".idx", prefix + ".idx")
+    if not quiet:
+        print(f"wrote {docs} documents ({skipped} empty skipped) from {input_path} -> "
+              f"{', '.join(p + '.{bin,idx}' for p in prefixes.values())}", file=sys.stderr)
+    return prefixes
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="JSONL -> megatron-core indexed dataset (.bin/.idx)")
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="JSONL file (.jsonl, .jsonl.gz, .jsonl.xz)")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
+                   choices=["ByteLevelTokenizer", "NullTokenizer"])
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
+    g.add_argument("--append-eod", action="store_true", help="append <eod> to every document")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True,
+                   help="writes <prefix>_<key>_document.{bin,idx}")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--log-interval", type=int, default=1000, help="progress every N documents")
+    g.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    a = get_args(argv)
+    t0 = time.time()
+    preprocess_jsonl(a.input, a.output_prefix, a.tokenizer_type, a.json_keys, a.append_eod,
+                     a.workers, a.vocab_size, a.log_interval, a.quiet)
+    if not a.quiet:
+        print(f"done in {time.time() - t0:.2f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
