@@ -14,11 +14,12 @@ RUN_DIR ?= runs/default
 
 .PHONY: install run test bench clean
 
-$(STAMP): setup.py constraints.txt csrc/setup_ext.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
+$(STAMP): setup.py pyproject.toml constraints.txt csrc/setup_ext.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "setuptools>=64" wheel "pybind11>=2.10"
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -c "import reft_ext._native as n; print('[reft_ext] native engine:', n.info())"
 	touch $(STAMP)
 
 install: $(STAMP)

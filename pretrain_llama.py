@@ -17,9 +17,14 @@ def main(argv=None):
         return 2
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.training import pretrain
+    from reft_ext.config import ReftConfigError
+    from reft_ext.shm import ShmSpaceError
 
     try:
         pretrain(args)
+    except (ReftConfigError, ShmSpaceError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 3

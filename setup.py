@@ -6,7 +6,13 @@ The native extension ``reft_ext._C`` is built when a C++ compiler exists and is
 optional at run time (see csrc/).
 """
 
+import os
+import sys
+
 from setuptools import setup
+
+# PEP 517 backends run this file without the project root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 try:  # the extension build lives next to its sources
     from csrc.setup_ext import get_ext_modules, get_cmdclass

@@ -89,8 +89,9 @@ def main():
     init_world_of_one()
     bridges = [b for b in cpu_compat.BRIDGES if b != a.skip]
     cpu_compat.apply(bridges)
-    globals()["trigger_" + a.trigger]()
-    print("OK", a.trigger)
+    for trigger in a.trigger.split(","):
+        globals()["trigger_" + trigger]()
+        print("OK", trigger, flush=True)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_logging_args,
                 _add_data_args, _add_checkpoint_args):
         add(p)
+    from reft_ext.config import ReftConfig
+
+    ReftConfig.add_arguments(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
     return p
@@ -243,9 +246,27 @@ def validate_args(args):
     if args.eval_interval < 1 or args.log_interval < 1:
         _fail("--eval-interval/--log-interval", "must be >= 1")
     if args.inject_fault is not None:
-        from megatron.training.fault_injection import parse_fault_spec
-        parse_fault_spec(args.inject_fault, ws)
+        from megatron.training.fault_injection import parse_fault_specs
+        parse_fault_specs(args.inject_fault, ws)
+    _validate_reft(args)
     return args
+
+
+def _validate_reft(args):
+    from reft_ext.config import ReftConfig, ReftConfigError
+
+    try:
+        cfg = ReftConfig.from_args(args)
+    except ReftConfigError as exc:
+        raise ArgumentError(str(exc)) from None
+    if cfg.enabled and cfg.redundancy != "none" and args.data_parallel_size < 2:
+        _fail("--reft-protect", f"{cfg.redundancy} needs data-parallel size >= 2 (the "
+              f"layout has {args.data_parallel_size}); use --reft-protect none")
+    if cfg.enabled and "aor" in cfg.protect.split(","):
+        _fail("--reft-protect", "aor is not available yet")
+    if cfg.enabled and args.world_size % cfg.ranks_per_node:
+        _fail("--reft-ranks-per-node", f"world size {args.world_size} is not a multiple of "
+              f"{cfg.ranks_per_node}")
 
 
 def _validate_virtual_pipeline(args):

@@ -1,10 +1,15 @@
-"""``--inject-fault RANK:ITER[:SIGNAL]``: kill one rank at one iteration, first attempt only.
+"""``--inject-fault RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]][,...]``: kill ranks at an
+iteration, on one torchrun attempt (the first by default).
 
 The fault fires when iteration ITER begins on global rank RANK (so ITER-1 iterations
-are complete everywhere), and only while ``TORCHELASTIC_RESTART_COUNT`` is 0 (or unset
-outside torchrun), so the job restarted by torchrun runs through. Before the signal is
+are complete everywhere), and only while ``TORCHELASTIC_RESTART_COUNT`` equals ATTEMPT (default 0; unset outside
+torchrun counts as 0), so the job restarted by torchrun runs through. Before the signal is
 sent, one line ``[FAULT] ...`` is printed and flushed: tests assert on it to prove the
-fault really fired.
+fault really fired. MODE (REFT runs):
+
+* ``node``: the rank's failure domain loses its shared memory too (a lost node);
+* ``snapshot``: the kill lands halfway through writing iteration ITER's snapshot;
+* ``corrupt``: one byte of the rank's last committed snapshot is flipped first.
 """
 
 from __future__ import annotations
@@ -16,11 +21,18 @@ import time
 from dataclasses import dataclass
 
 
+MODES = ("", "node", "snapshot", "corrupt")
+NODE_LOSS_CALLBACKS: list = []  # registered by REFT: wipe the failure domain's memory
+CORRUPT_CALLBACKS: list = []    # registered by REFT: flip a byte of the last snapshot
+
+
 @dataclass(frozen=True)
 class FaultSpec:
     rank: int
     iteration: int
     signal: int = signal.SIGKILL
+    mode: str = ""
+    attempt: int = 0
 
 
 def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
@@ -28,14 +40,21 @@ def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
     from megatron.training.arguments import ArgumentError
 
     parts = spec.split(":")
-    if len(parts) not in (2, 3):
-        raise ArgumentError(f"--inject-fault: expected RANK:ITER[:SIGNAL], got {spec!r}")
+    if len(parts) not in (2, 3, 4, 5):
+        raise ArgumentError(f"--inject-fault: expected RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]], "
+                            f"got {spec!r}")
+    mode = parts[3] if len(parts) >= 4 else ""
+    attempt = parts[4] if len(parts) == 5 else "0"
+    if not attempt.isdigit():
+        raise ArgumentError(f"--inject-fault: ATTEMPT must be an integer, got {attempt!r}")
+    if mode not in MODES:
+        raise ArgumentError(f"--inject-fault: unknown mode {mode!r} (node, snapshot, corrupt)")
     try:
         rank, iteration = int(parts[0]), int(parts[1])
     except ValueError:
         raise ArgumentError(f"--inject-fault: RANK and ITER must be integers, got {spec!r}")
     sig = signal.SIGKILL
-    if len(parts) == 3:
+    if len(parts) >= 3 and parts[2]:
         name = parts[2].upper()
         try:
             sig = signal.Signals(int(name)) if name.isdigit() else \
@@ -47,20 +66,36 @@ def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
                             f"{world_size} ranks")
     if iteration < 1:
         raise ArgumentError(f"--inject-fault: iteration must be >= 1, got {iteration}")
-    return FaultSpec(rank, iteration, int(sig))
+    return FaultSpec(rank, iteration, int(sig), mode, int(attempt))
 
 
-def first_attempt() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+def parse_fault_specs(text: str, world_size: int | None = None) -> list[FaultSpec]:
+    return [parse_fault_spec(p, world_size) for p in text.split(",") if p]
 
 
-def maybe_inject_fault(spec: FaultSpec | None, rank: int, iteration: int) -> None:
+def attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def maybe_inject_fault(specs, rank: int, iteration: int) -> None:
     """Call at the start of each iteration (``iteration`` = the one about to run)."""
-    if spec is None or rank != spec.rank or iteration != spec.iteration or not first_attempt():
+    for spec in specs or ():
+        if rank == spec.rank and iteration == spec.iteration and spec.mode != "snapshot":
+            fire(spec, f"at iteration {iteration}")
+
+
+def fire(spec: FaultSpec, when: str) -> None:
+    if attempt() != spec.attempt:
         return
+    if spec.mode == "node":
+        for cb in NODE_LOSS_CALLBACKS:
+            cb()
+    if spec.mode == "corrupt":
+        for cb in CORRUPT_CALLBACKS:
+            cb()
     name = signal.Signals(spec.signal).name
-    print(f"[FAULT] injecting {name} into rank {rank} (pid {os.getpid()}) at iteration "
-          f"{iteration}", flush=True)
+    print(f"[FAULT] injecting {name} into rank {spec.rank} (pid {os.getpid()}) {when}"
+          f"{' (node loss)' if spec.mode == 'node' else ''}", flush=True)
     sys.stderr.flush()
     os.kill(os.getpid(), spec.signal)
     # a catchable signal (SIGTERM with --exit-signal-handler) lets the process go on; give

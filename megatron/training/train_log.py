@@ -27,9 +27,9 @@ class TrainLogger:
                                    "pip install tensorboard") from exc
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
 
-    def startup(self, seconds: float) -> None:
+    def startup(self, seconds: float, split: str = "") -> None:
         print_rank_0(f"[after model, optimizer and data are built] time from process start "
-                     f"to first iteration: {seconds:.2f} s")
+                     f"to first iteration: {seconds:.2f} s ({split} s)")
 
     def iteration(self, loss: dict, grad_norm, skipped: int, seconds: float, timers) -> None:
         a, s = self.args, self.state

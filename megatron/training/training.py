@@ -20,7 +20,7 @@ from megatron.core.timers import Timers
 
 from megatron.training import llama_model
 from megatron.training.checkpointing import Checkpointer
-from megatron.training.fault_injection import maybe_inject_fault, parse_fault_spec
+from megatron.training.fault_injection import maybe_inject_fault, parse_fault_specs
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
 from megatron.training.signals import ExitSignal
@@ -76,7 +76,9 @@ class Trainer:
         self.args = args
         self.hooks = list(hooks)
         self.t_process = process_start_time()
+        self.marks = [("imports", time.time())]
         initialize_megatron(args)
+        self.marks.append(("distributed init", time.time()))
         from megatron.training.tokenizer import build_tokenizer
 
         self.tokenizer = build_tokenizer(args)
@@ -91,7 +93,7 @@ class Trainer:
         cfg.finalize_model_grads_func = finalize_model_grads
         cfg.grad_scale_func = optimizer.scale_loss
         self.state = TrainingState(model, optimizer, scheduler)
-        self.fault = parse_fault_spec(args.inject_fault) if args.inject_fault else None
+        self.faults = parse_fault_specs(args.inject_fault) if args.inject_fault else []
         self.ckpt = Checkpointer(args) if (args.save or args.load) else None
         self.exit_signal = ExitSignal() if args.exit_signal_handler else None
         n_params = llama_model.num_parameters(model)
@@ -99,11 +101,38 @@ class Trainer:
               f"({mpu.get_tensor_model_parallel_rank()}, "
               f"{mpu.get_pipeline_model_parallel_rank()}, {mpu.get_data_parallel_rank()}), "
               f"parameters on this rank: {n_params}", flush=True)
-        if args.load:
-            self.ckpt.load(self.state)
+        self.marks.append(("model+optimizer", time.time()))
+        self._load()
+        self.marks.append(("load", time.time()))
         self.logger = TrainLogger(args, self.state)
         self._build_data()
+        self.marks.append(("data", time.time()))
         self.losses: dict[int, str] = {}  # iteration -> loss as float.hex, for tests
+
+    def _load(self):
+        """Newest valid state across both tiers: host memory (REFT), then --load."""
+        args = self.args
+        self.reft = None
+        if args.reft_snapshot_every:
+            from megatron.training.reft_hooks import ReftHook
+
+            self.reft = ReftHook(args, self.state, self.faults)
+            self.hooks.insert(0, self.reft)
+        persistent = None
+        if args.load and os.path.isdir(args.load):
+            from megatron.training.checkpointing import read_tracker
+
+            persistent = read_tracker(args.load)
+        if self.reft is not None and self.reft.recover(persistent) is not None:
+            return
+        if args.load and self.ckpt.load(self.state):
+            if self.reft is not None:
+                print_rank_0(f"[REFT] recovered iteration {self.state.iteration} from the "
+                             f"persistent checkpoint {args.load}")
+            return
+        if self.reft is not None or args.load:
+            print_rank_0("no saved state found (host memory or --load): starting from "
+                         "scratch at iteration 0")
 
     def _build_data(self):
         from megatron.training.data import build_train_valid_test_data_iterators
@@ -164,10 +193,10 @@ class Trainer:
             getattr(hook, "on_start", lambda st: None)(s)
         first = True
         while s.iteration < args.train_iters:
-            maybe_inject_fault(self.fault, torch.distributed.get_rank(), s.iteration + 1)
+            maybe_inject_fault(self.faults, torch.distributed.get_rank(), s.iteration + 1)
             t0 = time.time()
             if first:
-                self.logger.startup(t0 - self.t_process)
+                self.logger.startup(t0 - self.t_process, self._startup_split())
                 first = False
             loss, skipped, grad_norm = self.train_step()
             s.iteration += 1
@@ -188,6 +217,13 @@ class Trainer:
                 break
         self._finish()
         return s
+
+    def _startup_split(self) -> str:
+        prev, parts = self.t_process, []
+        for name, t in self.marks:
+            parts.append(f"{name} {t - prev:.2f}")
+            prev = t
+        return ", ".join(parts)
 
     def _should_stop(self) -> bool:
         args, s = self.args, self.state

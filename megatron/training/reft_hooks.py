@@ -1,0 +1,138 @@
+"""Thin call sites between the trainer and reft_ext: the state adapter, the snapshot hook
+and REFT-load at start-up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from megatron.core import parallel_state as mpu
+
+from megatron.training import fault_injection
+from megatron.training.train_state import TrainingState
+from reft_ext.config import ReftConfig
+from reft_ext.recovery import recover
+from reft_ext.shm import job_dir
+from reft_ext.snapshot import ReftSnapshotter, SnapshotFault, reft_print
+
+
+def _all_dp_groups() -> list[list[int]]:
+    """Every sharding group of the job (each rank knows the whole layout)."""
+    world = torch.distributed.get_world_size()
+    mine = torch.distributed.get_process_group_ranks(mpu.get_data_parallel_group())
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, sorted(mine))
+    groups = []
+    for g in gathered:
+        if g not in groups:
+            groups.append(g)
+    return groups
+
+
+class MegatronStateAdapter:
+    """REFT's view of a TrainingState: which tensors are replicated across the sharding
+    group (model params, and the optimizer state unless it is distributed) and which
+    are owned (ZeRO-1 shards), plus the small metadata."""
+
+    def __init__(self, state: TrainingState, args):
+        self.state, self.args = state, args
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        self.dp_group = mpu.get_data_parallel_group_gloo() or mpu.get_data_parallel_group()
+        self.dp_ranks = sorted(torch.distributed.get_process_group_ranks(self.dp_group))
+        self.all_dp_groups = _all_dp_groups()
+        self.control_group = torch.distributed.new_group(backend="gloo")
+
+    def _split(self):
+        rep, own = [], []
+        for name, t in self.state.state_tensors():
+            if name.startswith("optim.") and self.args.use_distributed_optimizer:
+                own.append((name, t))
+            else:
+                rep.append((name, t))
+        return rep, own
+
+    def replicated_tensors(self):
+        return self._split()[0]
+
+    def owned_tensors(self):
+        return self._split()[1]
+
+    def get_meta(self) -> dict:
+        s = self.state
+        snap = {"counters": s.counters(), "rng": s.rng_state(),
+                "scheduler": s.scheduler.state_dict()}
+        from megatron.training import optimizer_state
+        from megatron.training.train_state import _grad_scaler_state
+
+        snap["adam_steps"] = optimizer_state.adam_steps(s.optimizer)
+        snap["grad_scaler"] = _grad_scaler_state(s.optimizer)
+        return snap
+
+    def set_meta(self, meta: dict) -> None:
+        from megatron.training import optimizer_state
+        from megatron.training.train_state import _set_grad_scaler_state
+
+        s = self.state
+        optimizer_state.ensure_adam_state(s.optimizer)
+        optimizer_state.set_adam_steps(s.optimizer, meta["adam_steps"])
+        s.scheduler.num_steps = 0  # load_state_dict advances a live scheduler
+        s.scheduler.load_state_dict(meta["scheduler"])
+        _set_grad_scaler_state(s.optimizer, meta["grad_scaler"])
+        s.set_counters(meta["counters"])
+        s.set_rng_state(meta["rng"])
+
+
+class ReftHook:
+    """after_step: snapshot; at start-up: recover; on exit: clean up shared memory."""
+
+    def __init__(self, args, state: TrainingState, faults=()):
+        from megatron.training.train_state import TrainingState  # noqa: F401
+
+        self.cfg = ReftConfig.from_args(args)
+        # a fresh optimizer has no Adam state yet: create it so the layout is final
+        from megatron.training import optimizer_state
+
+        optimizer_state.ensure_adam_state(state.optimizer)
+        self.adapter = MegatronStateAdapter(state, args)
+        self.snap = ReftSnapshotter(self.cfg, self.adapter)
+        self.faults = [f for f in faults if f.rank == self.adapter.rank]
+        if any(f.mode == "snapshot" for f in self.faults):
+            self.snap.fault = SnapshotFault(self._fault_in_snapshot)
+        fault_injection.NODE_LOSS_CALLBACKS.append(self.wipe_node)
+        fault_injection.CORRUPT_CALLBACKS.append(self.corrupt_own_slice)
+
+    def recover(self, persistent_iteration):
+        return recover(self.snap, persistent_iteration)
+
+    def after_step(self, state):
+        self.snap.maybe_snapshot(state.iteration)
+
+    def on_exit(self, state):
+        torch.distributed.barrier(group=self.adapter.control_group)
+        self.snap.close(remove=not self.cfg.keep_snapshots)
+
+    # ---- fault injection (tests) -----------------------------------------------
+    def _fault_in_snapshot(self, iteration):
+        for f in self.faults:
+            if f.mode == "snapshot" and f.iteration == iteration:
+                fault_injection.fire(f, "during its snapshot write")
+
+    def wipe_node(self):
+        """Node loss: the failure domain's shared memory disappears with the node."""
+        d = job_dir(self.snap.store.job, self.cfg.shm_dir)
+        shutil.rmtree(d, ignore_errors=True)
+        reft_print(f"[FAULT] wiped failure domain {self.cfg.node_of(self.adapter.rank)} ({d})")
+
+    def corrupt_own_slice(self):
+        """Flip one byte of this rank's committed snapshot (its own slice)."""
+        c = self.snap.store.committed()
+        if c is None:
+            return
+        data = self.snap.store.data(c["slot"], self.snap.nbytes)
+        off, n = self.snap.regions["own"]
+        data[off + n // 2] ^= 0xFF
+        os.sync()
+        reft_print(f"[FAULT] flipped a byte of rank {self.adapter.rank}'s snapshot of "
+                   f"iteration {c['iteration']}")

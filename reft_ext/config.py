@@ -1,0 +1,127 @@
+"""ReftConfig: one dataclass for REFT's snapshot/protection settings; flags are generated
+from its fields with Megatron's naming (``--reft-snapshot-every`` ...)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import MISSING, dataclass, field, fields
+
+PROTECTIONS = ("none", "arc", "aec", "aor")
+
+
+class ReftConfigError(ValueError):
+    """An invalid REFT flag or a layout the chosen protection cannot cover."""
+
+
+def parse_bytes(text) -> int:
+    """'512M', '8G', '1.5GiB', '4096' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", str(text), re.I)
+    if not m:
+        raise ReftConfigError(f"--reft-host-memory-limit: cannot read {text!r} as a size "
+                              f"(e.g. 8G, 512M, 1073741824)")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass
+class ReftConfig:
+    snapshot_every: int = field(default=0, metadata=dict(
+        help="take an in-memory snapshot every N iterations (0 = off)"))
+    protect: str = field(default="none", metadata=dict(
+        help="none | arc | aec, comma-combinable with aor: redundancy for the snapshots "
+             "against the loss of one failure domain per sharding group"))
+    shm_dir: str = field(default="/dev/shm", metadata=dict(
+        help="tmpfs directory for the snapshots (one subdirectory per job and node)"))
+    host_memory_limit: str = field(default="0", metadata=dict(
+        help="most host memory the snapshots of one node may use, e.g. 8G (0 = the free "
+             "space of --reft-shm-dir)"))
+    ranks_per_node: int = field(default=0, metadata=dict(
+        help="how many consecutive ranks form one failure domain (default: "
+             "LOCAL_WORLD_SIZE, i.e. one node)"))
+    job_id: str = field(default="", metadata=dict(
+        help="names the job's shared memory (default: TORCHELASTIC_RUN_ID or SLURM_JOB_ID)"))
+    keep_snapshots: bool = field(default=False, metadata=dict(
+        help="leave the snapshots in shared memory when training ends"))
+
+    def __post_init__(self):
+        if self.snapshot_every < 0:
+            raise ReftConfigError(f"--reft-snapshot-every: must be >= 0, got "
+                                  f"{self.snapshot_every}")
+        parts = [p.strip() for p in self.protect.split(",") if p.strip()]
+        bad = [p for p in parts if p not in PROTECTIONS]
+        if bad or not parts:
+            raise ReftConfigError(f"--reft-protect: unknown scheme(s) {bad or [self.protect]}; "
+                                  f"choose from none, arc, aec (and aor)")
+        if "arc" in parts and "aec" in parts:
+            raise ReftConfigError("--reft-protect: arc and aec protect the same state; "
+                                  "choose one of them")
+        if "none" in parts and len(parts) > 1:
+            raise ReftConfigError("--reft-protect: 'none' cannot be combined with "
+                                  f"{[p for p in parts if p != 'none']}")
+        self.protect = ",".join(parts)
+        self.host_memory_limit_bytes = parse_bytes(self.host_memory_limit)
+        if self.ranks_per_node == 0:
+            self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.ranks_per_node < 1:
+            raise ReftConfigError("--reft-ranks-per-node: must be >= 1")
+        if not self.job_id:
+            self.job_id = (os.environ.get("TORCHELASTIC_RUN_ID") or
+                           os.environ.get("SLURM_JOB_ID") or "local")
+        self.job_id = re.sub(r"[^A-Za-z0-9._-]", "_", self.job_id)[:64] or "local"
+
+    @property
+    def enabled(self) -> bool:
+        return self.snapshot_every > 0
+
+    @property
+    def redundancy(self) -> str:
+        """The parameter-state scheme: none, arc or aec."""
+        for p in self.protect.split(","):
+            if p in ("arc", "aec"):
+                return p
+        return "none"
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def validate_layout(self, world_size: int, dp_groups: list[list[int]]) -> None:
+        """arc/aec need every sharding group spread over >= 2 failure domains, one
+        member per domain, or a node loss takes a slice and its redundancy together."""
+        if world_size % self.ranks_per_node:
+            raise ReftConfigError(f"--reft-ranks-per-node: world size {world_size} is not a "
+                                  f"multiple of {self.ranks_per_node}")
+        if self.redundancy == "none" or not self.enabled:
+            return
+        for group in dp_groups:
+            if len(group) < 2:
+                raise ReftConfigError(
+                    f"--reft-protect {self.redundancy}: needs data-parallel size >= 2 (the "
+                    f"sharding group {group} has one member); use --reft-protect none")
+            nodes = [self.node_of(r) for r in group]
+            if len(set(nodes)) != len(nodes):
+                raise ReftConfigError(
+                    f"--reft-protect {self.redundancy}: sharding group (ranks {group}) has two "
+                    f"members in one failure domain (nodes {nodes}, --reft-ranks-per-node "
+                    f"{self.ranks_per_node}); a node loss would take both. Lower "
+                    f"--reft-ranks-per-node or change the layout")
+
+    # ---- flags ----------------------------------------------------------------
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("REFT in-memory fault tolerance")
+        for f in fields(cls):
+            flag = "--reft-" + f.name.replace("_", "-")
+            default = f.default if f.default is not MISSING else None
+            if f.type in (bool, "bool"):
+                g.add_argument(flag, action="store_true", help=f.metadata.get("help"))
+            else:
+                typ = int if f.type in (int, "int") else str
+                g.add_argument(flag, type=typ, default=default, help=f.metadata.get("help"))
+
+    @classmethod
+    def from_args(cls, args) -> ReftConfig:
+        return cls(**{f.name: getattr(args, "reft_" + f.name) for f in fields(cls)})

@@ -1,0 +1,173 @@
+"""Snapshot store of one rank inside its failure domain's shared memory.
+
+Two slots per rank, each a data segment plus a JSON manifest:
+
+    /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.bin    own slice | redundancy | owned
+    /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.json   iteration, layout, CRCs, metadata
+    /dev/shm/reft-<job>-node<n>/rank<r>.committed      the slot of the last job-wide commit
+
+A new snapshot always goes to the slot that is not committed, and its manifest is
+deleted before the first byte is written and renamed into place only after the last
+(dirty-then-atomic-rename, as NVRx's local checkpoints do). So a crash mid-snapshot
+leaves the committed slot untouched and the torn slot without a manifest. Every region
+carries the CRC-32 its owner computed from the source bytes; :meth:`verify` checks it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import zlib
+
+import numpy as np
+import torch
+
+from reft_ext.shm import ShmSegment, job_dir
+
+SLOTS = (0, 1)
+
+
+# ---- small metadata as JSON (RNG states, counters, scheduler) ------------------------
+def to_jsonable(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        return {"__tensor__": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy()
+                                               .tobytes()).decode(),
+                "dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape)}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode(),
+                "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [to_jsonable(x) for x in obj]}
+    if isinstance(obj, list):
+        return [to_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {"__dict__": [[to_jsonable(k), to_jsonable(v)] for k, v in obj.items()]}
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    return obj
+
+
+def from_jsonable(obj):
+    if isinstance(obj, list):
+        return [from_jsonable(x) for x in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        raw = bytearray(base64.b64decode(obj["__tensor__"]))
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, obj["dtype"])).reshape(obj["shape"]).clone()
+    if "__ndarray__" in obj:
+        return np.frombuffer(base64.b64decode(obj["__ndarray__"]),
+                             dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    if "__tuple__" in obj:
+        return tuple(from_jsonable(x) for x in obj["__tuple__"])
+    if "__dict__" in obj:
+        return {from_jsonable(k): from_jsonable(v) for k, v in obj["__dict__"]}
+    return obj
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class SnapshotStore:
+    def __init__(self, job_id: str, node: int, rank: int, base_dir: str):
+        self.job = f"{job_id}-node{node}"
+        self.base_dir, self.rank = base_dir, rank
+        self.dir = job_dir(self.job, base_dir)
+        self._segs: dict[int, ShmSegment] = {}
+
+    def _name(self, slot: int, ext: str) -> str:
+        return f"rank{self.rank}.slot{slot}.{ext}"
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    # ---- writing --------------------------------------------------------------
+    def committed(self) -> dict | None:
+        try:
+            return json.load(open(self._path(f"rank{self.rank}.committed")))
+        except (OSError, ValueError):
+            return None
+
+    def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """Open the non-committed slot for writing: its manifest goes first."""
+        c = self.committed()
+        slot = 1 - c["slot"] if c else 0
+        try:
+            os.unlink(self._path(self._name(slot, "json")))
+        except FileNotFoundError:
+            pass
+        seg = self._segment(slot, nbytes)
+        return slot, seg.tensor(torch.uint8, 0, nbytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Create (or attach and grow) both slots now: space is checked and reserved."""
+        for slot in SLOTS:
+            self._segment(slot, nbytes)
+
+    def _segment(self, slot: int, nbytes: int) -> ShmSegment:
+        seg = self._segs.get(slot)
+        name = self._name(slot, "bin")
+        if seg is None:
+            if ShmSegment.exists(self.job, name, base_dir=self.base_dir):
+                seg = ShmSegment.attach(self.job, name, base_dir=self.base_dir)
+            else:
+                seg = ShmSegment.create(self.job, name, max(nbytes, 1), base_dir=self.base_dir)
+            self._segs[slot] = seg
+        if seg.nbytes < nbytes:
+            seg.resize(nbytes)
+        return seg
+
+    def finish(self, slot: int, manifest: dict) -> None:
+        """The slot is complete on this rank (not yet job-wide)."""
+        _write_atomic(self._path(self._name(slot, "json")), json.dumps(manifest))
+
+    def commit(self, slot: int, iteration: int) -> None:
+        """Every rank finished this iteration's snapshot: it is the one to keep."""
+        _write_atomic(self._path(f"rank{self.rank}.committed"),
+                      json.dumps({"slot": slot, "iteration": iteration}))
+
+    # ---- reading --------------------------------------------------------------
+    def manifests(self) -> dict[int, dict]:
+        """slot -> manifest, for every slot whose manifest exists and parses."""
+        out = {}
+        for slot in SLOTS:
+            try:
+                m = json.load(open(self._path(self._name(slot, "json"))))
+            except (OSError, ValueError):
+                continue
+            if ShmSegment.exists(self.job, self._name(slot, "bin"), base_dir=self.base_dir):
+                out[slot] = m
+        return out
+
+    def data(self, slot: int, nbytes: int) -> torch.Tensor:
+        return self._segment(slot, nbytes).tensor(torch.uint8, 0, nbytes)
+
+    def verify(self, slot: int, manifest: dict, region: str) -> bool:
+        """Does region's CRC still match what its owner computed from the source?"""
+        off, n, crc = manifest["regions"][region]
+        if n == 0:
+            return True
+        try:
+            view = self.data(slot, manifest["nbytes"])[off:off + n]
+            return zlib.crc32(view.numpy()) == crc
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        for seg in self._segs.values():
+            seg.close()
+        self._segs.clear()
+
+    def remove(self) -> None:
+        self.close()
+        ShmSegment.remove_job(self.job, base_dir=self.base_dir)
