@@ -38,6 +38,7 @@ setup(
         "pybind11>=2.10",
         "numpy",
         "psutil",  # needed by megatron-core's dist_checkpointing writer, undeclared there
+        "xxhash",  # snapshot checksums at ~10 GB/s
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard"],

@@ -14,10 +14,11 @@ The same code sizes real snapshots and the planner's estimates.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
+
+from reft_ext.checksum import Checksum
 
 ALIGN = 64  # bytes: slices and sub-blocks start on cache lines
 
@@ -75,19 +76,15 @@ class StreamLayout:
         for p in self.pieces(start, start + src.numel()):
             self.tensors[p.index][p.src_off:p.src_off + p.n].copy_(src[p.dst_off:p.dst_off + p.n])
 
-    def crc32(self, start: int, end: int) -> int:
-        """CRC-32 of stream bytes [start, end), padding as zeros, from the source tensors."""
-        crc, covered = 0, 0
+    def checksum(self, start: int, end: int) -> int:
+        """Checksum of stream bytes [start, end), padding as zeros, from the source tensors."""
+        h, covered = Checksum(), 0
         for p in self.pieces(start, end):
-            crc = zlib.crc32(self.tensors[p.index][p.src_off:p.src_off + p.n].numpy(), crc)
+            h.update(self.tensors[p.index][p.src_off:p.src_off + p.n])
             covered += p.n
         if covered < end - start:
-            crc = zlib.crc32(bytes(end - start - covered), crc)
-        return crc
-
-
-def crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(as_bytes(t).numpy())
+            h.update(bytes(end - start - covered))
+        return h.value
 
 
 class StateLayout:

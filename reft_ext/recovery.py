@@ -20,24 +20,44 @@ import time
 
 import torch
 
-from reft_ext.protection import OWN
+from reft_ext.protection import OWN, PARITY
 from reft_ext.snapshot import ReftSnapshotter, reft_print
 from reft_ext.store import from_jsonable
 
 
-def _inventory(s: ReftSnapshotter) -> dict:
-    """iteration -> {slot, own, redundancy, owned} validity for this rank."""
+def _inventory(s: ReftSnapshotter, verify_all: bool) -> dict:
+    """iteration -> {slot, ok: {own, redundancy, owned}} for this rank.
+
+    Checksums cost a pass over the bytes, so round 1 verifies only what a recovery
+    without losses reads (the newest slot's own slice and owned state, and an ARC
+    replica, which saves sending that slice over the network) and reports the rest as
+    None (unverified); round 2 (``verify_all``) verifies everything."""
     out = {}
     sig = s.layout.signature()
-    for slot, m in s.store.manifests().items():
+    manifests = sorted(s.store.manifests().items(), key=lambda kv: -int(kv[1]["iteration"]))
+    for i, (slot, m) in enumerate(manifests):
         usable = (m.get("layout") == sig and m.get("nbytes") == s.nbytes and
                   m.get("protection") == s.protection.name)
-        flags = {r: usable and s.store.verify(slot, m, r) for r in ("own", "redundancy",
-                                                                      "owned")}
-        it = int(m["iteration"])
-        if it not in out or sum(flags.values()) > sum(out[it]["ok"].values()):
-            out[it] = {"slot": slot, "ok": flags}
+        flags = {}
+        for region in ("own", "redundancy", "owned"):
+            lazy = not verify_all and (i > 0 or (region == "redundancy" and
+                                                 s.protection.name != "arc"))
+            flags[region] = None if (usable and lazy) else \
+                (usable and s.store.verify(slot, m, region))
+        out.setdefault(int(m["iteration"]), {"slot": slot, "ok": flags})
     return out
+
+
+def _needs_full_verify(inventories: list[dict], it, plans) -> bool:
+    """Does the round-1 decision depend on anything left unverified?"""
+    if not any(None in e["ok"].values() for inv in inventories for e in inv.values()):
+        return False
+    if it is None:
+        return True  # an unverified slot or redundancy block might still recover it
+    rebuilt = any(how != OWN for plan in plans.values() for how in plan.values())
+    older_slot = any(inv.get(it) is not None and inv[it]["ok"]["own"] is None
+                     for inv in inventories)
+    return rebuilt or older_slot
 
 
 def plan_recovery(s: ReftSnapshotter, inventories: list[dict], persistent: int | None):
@@ -77,15 +97,60 @@ def plan_recovery(s: ReftSnapshotter, inventories: list[dict], persistent: int |
     return None, "; ".join(reasons[:2])
 
 
+def _distribute(s: ReftSnapshotter, inventories, it, plan, data) -> dict:
+    """Every member ends with every slice it can get without decoding: its own, its ARC
+    replica, and those sent by their holders. Returns slice index -> uint8 tensor."""
+    a, L, D = s.a, s.layout.slice_bytes, s.D
+    off_own, off_red = s.regions["own"][0], s.regions["redundancy"][0]
+
+    def ok(m, region):
+        return bool(inventories[a.dp_ranks[m]].get(it, {}).get("ok", {}).get(region))
+
+    def held(m):  # slice -> where member m has it locally
+        h = {}
+        if plan[m] == OWN:
+            h[m] = off_own
+        if s.protection.name == "arc" and ok(m, "redundancy"):
+            h[(m + 1) % D] = off_red
+        return h
+
+    mine = held(s.member)
+    slices = {j: data[o:o + L] for j, o in mine.items()}
+    reqs = []
+    for j in range(D):
+        if plan[j] == PARITY:
+            continue
+        provider = j if plan[j] == OWN else s.protection.sources(j)[0]
+        for m in range(D):
+            if m == provider or j in held(m):
+                continue
+            if s.member == provider:
+                reqs.append(torch.distributed.isend(slices[j], dst=a.dp_ranks[m],
+                                                    group=a.dp_group, tag=j))
+            elif s.member == m:
+                slices[j] = torch.empty(L, dtype=torch.uint8)
+                reqs.append(torch.distributed.irecv(slices[j], src=a.dp_ranks[provider],
+                                                    group=a.dp_group, tag=j))
+    for r in reqs:
+        r.wait()
+    return slices
+
+
 @torch.no_grad()
 def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
     """Restore from host memory; returns the iteration, or None (caller falls back)."""
-    t0 = time.perf_counter()
     a = s.a
-    mine = _inventory(s)
-    inventories = [None] * a.world_size
-    torch.distributed.all_gather_object(inventories, mine, group=a.control_group)
-    it, plans = plan_recovery(s, inventories, persistent)
+    # ranks arrive at different times (imports): time the recovery, not the arrival skew
+    torch.distributed.barrier(group=a.control_group)
+    t0 = time.perf_counter()
+    for verify_all in (False, True):
+        mine = _inventory(s, verify_all)
+        inventories = [None] * a.world_size
+        torch.distributed.all_gather_object(inventories, mine, group=a.control_group)
+        it, plans = plan_recovery(s, inventories, persistent)
+        if not _needs_full_verify(inventories, it, plans):
+            break
+    t_verify = time.perf_counter()
     if it is None:
         if a.rank == 0:
             reft_print(f"recovery from host memory not possible: {plans}")
@@ -96,25 +161,21 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
     entry = mine.get(it)
     manifest = s.store.manifests()[entry["slot"]] if entry else None
     data = s.store.data(entry["slot"], s.nbytes) if entry else None
-    # 1. own slices, all-gathered in the group
-    own = torch.zeros(L, dtype=torch.uint8)
-    if plan[s.member] == OWN:
-        off, n = s.regions["own"]
-        own.copy_(data[off:off + n])
-    slices = [torch.empty(L, dtype=torch.uint8) for _ in range(s.D)]
-    torch.distributed.all_gather(slices, own, group=a.dp_group)
-    # 2. lost slices rebuilt from the redundancy blocks of their holders
-    for lost in sorted(d for d, how in plan.items() if how != OWN):
+    # 1. what each member already holds (own slice, ARC replica of the next one), and
+    #    who sends each slice to the members that lack it (point-to-point)
+    slices = _distribute(s, inventories, it, plan, data)
+    t_gather = time.perf_counter()
+    # 2. lost slices without a replica: rebuilt from the parity blocks of the others
+    for lost in sorted(d for d, how in plan.items() if how == PARITY):
         redundancy = {}
         for m in s.protection.sources(lost):
-            block = torch.empty(s.red_bytes, dtype=torch.uint8)
-            if m == s.member:
-                off, n = s.regions["redundancy"]
-                block.copy_(data[off:off + n])
+            off, n = s.regions["redundancy"]
+            block = data[off:off + n] if m == s.member else torch.empty(n, dtype=torch.uint8)
             torch.distributed.broadcast(block, src=a.dp_ranks[m], group=a.dp_group)
             redundancy[m] = block
-        s.protection.recover(lost, {d: t for d, t in enumerate(slices)}, redundancy,
-                             slices[lost])
+        slices[lost] = torch.empty(L, dtype=torch.uint8)
+        s.protection.recover(lost, slices, redundancy, slices[lost])
+    t_rebuild = time.perf_counter()
     # 3. write the replicated state back, then owned state and metadata
     for d in range(s.D):
         lay.replicated.write(d * L, slices[d])
@@ -130,11 +191,16 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
         off, n = s.regions["owned"]
         lay.owned.write(0, data[off:off + n])
     a.set_meta(from_jsonable(meta))
-    ms = 1000 * (time.perf_counter() - t0)
+    t_end = time.perf_counter()
+    ms = 1000 * (t_end - t0)
+    split = (f"verify+agree {1000 * (t_verify - t0):.0f}, exchange "
+             f"{1000 * (t_gather - t_verify):.0f}, rebuild {1000 * (t_rebuild - t_gather):.0f}, "
+             f"write back {1000 * (t_end - t_rebuild):.0f} ms")
     how = {"own": "own memory", "replica": "ARC replica", "parity": "AEC parity"}
     stats = torch.tensor([ms], dtype=torch.float64)
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=a.control_group)
     lost = sum(1 for d in sources if d != OWN)
     reft_print(f"recovered iteration {it} on rank {a.rank} from {how[plan[s.member]]} "
-               f"(group {a.dp_ranks}: {lost} slice(s) rebuilt) in {stats.item():.1f} ms")
+               f"(group {a.dp_ranks}: {lost} slice(s) rebuilt) in {stats.item():.1f} ms "
+               f"[this rank: {split}]")
     return it

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
 
+from reft_ext.checksum import DEFAULT as CHECKSUM
+from reft_ext.checksum import checksum
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy_engine import CopyEngine
 from reft_ext.layout import StateLayout
@@ -98,13 +99,14 @@ class ReftSnapshotter:
         slot, buf = self.store.begin(self.nbytes)
         own_off, own_n = self.regions["own"]
         start, end = lay.slice_range(self.member)
-        crcs = {}
+        sums = {}
         # 1. own slice, straight from the state tensors into shared memory
+        pieces = lay.replicated.pieces(start, end)
         items = [(lay.replicated.tensors[p.index], buf, p.src_off, own_off + p.dst_off, p.n)
-                 for p in lay.replicated.pieces(start, end)]
-        covered = sum(p.n for p in lay.replicated.pieces(start, end))
+                 for p in pieces]
+        covered = sum(p.n for p in pieces)
         handle = self.engine.submit(items) if items else None
-        crcs["own"] = lay.replicated.crc32(start, end)  # from the source bytes
+        sums["own"] = lay.replicated.checksum(start, end)  # from the source bytes
         if handle is not None:
             handle.wait()
         buf[own_off + covered:own_off + own_n].zero_()
@@ -115,37 +117,36 @@ class ReftSnapshotter:
         if r_n:
             red = buf[r_off:r_off + r_n]
             self.protection.encode(lay, red)
-            crcs["redundancy"] = zlib.crc32(red.numpy())
+            sums["redundancy"] = checksum(red)
         else:
-            crcs["redundancy"] = 0
+            sums["redundancy"] = 0
         # 3. owned state (ZeRO-1 shards), whole
         o_off, o_n = self.regions["owned"]
         items = [(lay.owned.tensors[p.index], buf, p.src_off, o_off + p.dst_off, p.n)
                  for p in lay.owned.pieces(0, lay.owned.nbytes)]
         if items:
             self.engine.submit(items).wait()
-        crcs["owned"] = lay.owned.crc32(0, lay.owned.nbytes)
+        sums["owned"] = lay.owned.checksum(0, lay.owned.nbytes)
         manifest = {
             "iteration": iteration, "rank": self.a.rank, "member": self.member,
             "dp_ranks": self.a.dp_ranks, "world_size": self.a.world_size,
             "protection": self.protection.name, "layout": lay.signature(),
-            "nbytes": self.nbytes,
-            "regions": {k: [o, n, crcs[k]] for k, (o, n) in self.regions.items()},
+            "nbytes": self.nbytes, "checksum": CHECKSUM,
+            "regions": {k: [o, n, sums[k]] for k, (o, n) in self.regions.items()},
             "meta": to_jsonable(self.a.get_meta()),
         }
         self.store.finish(slot, manifest)
         t_local = time.perf_counter() - t0
         # 4. collective commit: the new snapshot replaces the old one only when it is
-        #    complete on every rank of the job
-        stats = torch.tensor([0, self.nbytes], dtype=torch.int64)
-        torch.distributed.all_reduce(stats, group=self.a.control_group)
-        if stats[0].item() == 0:
-            self.store.commit(slot, iteration)
+        #    complete on every rank of the job (the all-reduce returns only then)
+        total = torch.tensor([self.nbytes], dtype=torch.int64)
+        torch.distributed.all_reduce(total, group=self.a.control_group)
+        self.store.commit(slot, iteration)
         slowest = torch.tensor([t_local], dtype=torch.float64)
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX,
                                      group=self.a.control_group)
         if self.a.rank == 0:
-            reft_print(f"snapshot iteration {iteration}: {stats[1].item()} bytes on "
+            reft_print(f"snapshot iteration {iteration}: {total.item()} bytes on "
                        f"{self.a.world_size} ranks (per rank: own {own_n}, "
                        f"{self.protection.name} {r_n}, owned {o_n}) in "
                        f"{1000 * slowest.item():.1f} ms (slowest rank), committed "

@@ -10,7 +10,7 @@ A new snapshot always goes to the slot that is not committed, and its manifest i
 deleted before the first byte is written and renamed into place only after the last
 (dirty-then-atomic-rename, as NVRx's local checkpoints do). So a crash mid-snapshot
 leaves the committed slot untouched and the torn slot without a manifest. Every region
-carries the CRC-32 its owner computed from the source bytes; :meth:`verify` checks it.
+carries the checksum its owner computed from the source bytes; :meth:`verify` checks it.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import base64
 import json
 import os
-import zlib
 
 import numpy as np
 import torch
 
+from reft_ext.checksum import checksum
 from reft_ext.shm import ShmSegment, job_dir
 
 SLOTS = (0, 1)
@@ -153,13 +153,13 @@ class SnapshotStore:
         return self._segment(slot, nbytes).tensor(torch.uint8, 0, nbytes)
 
     def verify(self, slot: int, manifest: dict, region: str) -> bool:
-        """Does region's CRC still match what its owner computed from the source?"""
+        """Does region's checksum still match what its owner computed from the source?"""
         off, n, crc = manifest["regions"][region]
         if n == 0:
             return True
         try:
             view = self.data(slot, manifest["nbytes"])[off:off + n]
-            return zlib.crc32(view.numpy()) == crc
+            return checksum(view, manifest.get("checksum", "crc32")) == crc
         except (OSError, ValueError):
             return False
 

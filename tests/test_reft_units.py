@@ -69,14 +69,15 @@ def test_two_lost_members_are_not_recoverable():
     assert NoProtection(2).plan([True, False], [True, True]) is None
 
 
-def test_layout_roundtrip_and_crc():
-    import zlib
+def test_layout_roundtrip_and_checksum():
+    from reft_ext.checksum import checksum
 
     src, dst = _state(1), _state(2)
     lay = StateLayout(src, [], 3, 0, 2)
     buf = torch.empty(lay.padded, dtype=torch.uint8)
     lay.replicated.read(0, lay.padded, buf)
-    assert zlib.crc32(buf.numpy()) == lay.replicated.crc32(0, lay.padded)
+    assert checksum(buf) == lay.replicated.checksum(0, lay.padded)
+    assert checksum(buf, "crc32") != checksum(buf)  # both algorithms exist, differ
     assert not buf[lay.replicated.nbytes:].any()  # padding reads as zeros
     StateLayout(dst, [], 3, 0, 2).replicated.write(0, buf)
     for (_, a), (_, b) in zip(src, dst):
@@ -118,11 +119,12 @@ def test_store_keeps_committed_slot_and_detects_corruption():
     job = "t" + uuid.uuid4().hex[:8]
     st = SnapshotStore(job, 0, 0, "/dev/shm")
     try:
-        import zlib
+        from reft_ext.checksum import checksum
 
         slot, buf = st.begin(64)
         buf.copy_(torch.arange(64, dtype=torch.uint8))
-        man = {"iteration": 1, "nbytes": 64, "regions": {"own": [0, 64, zlib.crc32(buf.numpy())]}}
+        man = {"iteration": 1, "nbytes": 64, "checksum": "xxh3_64",
+               "regions": {"own": [0, 64, checksum(buf, "xxh3_64")]}}
         st.finish(slot, man)
         st.commit(slot, 1)
         slot2, buf2 = st.begin(64)

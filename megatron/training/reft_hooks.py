@@ -9,7 +9,7 @@ import shutil
 import torch
 from megatron.core import parallel_state as mpu
 
-from megatron.training import fault_injection
+from megatron.training import fault_injection, optimizer_state
 from megatron.training.train_state import TrainingState
 from reft_ext.config import ReftConfig
 from reft_ext.recovery import recover
@@ -60,40 +60,18 @@ class MegatronStateAdapter:
         return self._split()[1]
 
     def get_meta(self) -> dict:
-        s = self.state
-        snap = {"counters": s.counters(), "rng": s.rng_state(),
-                "scheduler": s.scheduler.state_dict()}
-        from megatron.training import optimizer_state
-        from megatron.training.train_state import _grad_scaler_state
-
-        snap["adam_steps"] = optimizer_state.adam_steps(s.optimizer)
-        snap["grad_scaler"] = _grad_scaler_state(s.optimizer)
-        return snap
+        return self.state.metadata()
 
     def set_meta(self, meta: dict) -> None:
-        from megatron.training import optimizer_state
-        from megatron.training.train_state import _set_grad_scaler_state
-
-        s = self.state
-        optimizer_state.ensure_adam_state(s.optimizer)
-        optimizer_state.set_adam_steps(s.optimizer, meta["adam_steps"])
-        s.scheduler.num_steps = 0  # load_state_dict advances a live scheduler
-        s.scheduler.load_state_dict(meta["scheduler"])
-        _set_grad_scaler_state(s.optimizer, meta["grad_scaler"])
-        s.set_counters(meta["counters"])
-        s.set_rng_state(meta["rng"])
+        self.state.load_metadata(meta)
 
 
 class ReftHook:
     """after_step: snapshot; at start-up: recover; on exit: clean up shared memory."""
 
     def __init__(self, args, state: TrainingState, faults=()):
-        from megatron.training.train_state import TrainingState  # noqa: F401
-
         self.cfg = ReftConfig.from_args(args)
         # a fresh optimizer has no Adam state yet: create it so the layout is final
-        from megatron.training import optimizer_state
-
         optimizer_state.ensure_adam_state(state.optimizer)
         self.adapter = MegatronStateAdapter(state, args)
         self.snap = ReftSnapshotter(self.cfg, self.adapter)

@@ -93,35 +93,44 @@ class TrainingState:
                     out.append((f"optim.{key}{j}", st[key]))
         return out
 
-    # ---- in-memory capture / restore -----------------------------------------
-    def capture(self) -> dict:
-        """A deep copy of the whole state (host memory), restorable with :meth:`restore`."""
+    # ---- small state: everything but the tensors ------------------------------------
+    def metadata(self) -> dict:
+        """Counters, RNG, scheduler, Adam step counts, loss scaler: with
+        :meth:`state_tensors` this is the whole training state."""
         return {
             "counters": self.counters(),
             "rng": self.rng_state(),
-            "tensors": [(n, t.detach().clone()) for n, t in self.state_tensors()],
             "adam_steps": optimizer_state.adam_steps(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": _grad_scaler_state(self.optimizer),
         }
 
+    def load_metadata(self, meta: dict) -> None:
+        optimizer_state.ensure_adam_state(self.optimizer)
+        optimizer_state.set_adam_steps(self.optimizer, meta["adam_steps"])
+        # OptimizerParamScheduler.load_state_dict *advances* by the saved step count (it
+        # expects a fresh scheduler), so rewind a live one first
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(meta["scheduler"])
+        _set_grad_scaler_state(self.optimizer, meta["grad_scaler"])
+        self.set_counters(meta["counters"])
+        self.set_rng_state(meta["rng"])
+
+    # ---- in-memory capture / restore -----------------------------------------
+    def capture(self) -> dict:
+        """A deep copy of the whole state (host memory), restorable with :meth:`restore`."""
+        return {"tensors": [(n, t.detach().clone()) for n, t in self.state_tensors()],
+                **self.metadata()}
+
     @torch.no_grad()
     def restore(self, snap: dict) -> None:
         optimizer_state.ensure_adam_state(self.optimizer)
         current = self.state_tensors()
-        names = [n for n, _ in current]
-        if names != [n for n, _ in snap["tensors"]]:
+        if [n for n, _ in current] != [n for n, _ in snap["tensors"]]:
             raise RuntimeError("snapshot does not match this model/optimizer layout")
         for (_, dst), (_, src) in zip(current, snap["tensors"]):
             dst.copy_(src)
-        optimizer_state.set_adam_steps(self.optimizer, snap["adam_steps"])
-        # OptimizerParamScheduler.load_state_dict *advances* by the saved step count (it
-        # expects a fresh scheduler), so rewind a live one first
-        self.scheduler.num_steps = 0
-        self.scheduler.load_state_dict(snap["scheduler"])
-        _set_grad_scaler_state(self.optimizer, snap["grad_scaler"])
-        self.set_counters(snap["counters"])
-        self.set_rng_state(snap["rng"])
+        self.load_metadata(snap)
 
 
 def _grad_scalers(optimizer):

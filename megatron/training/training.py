@@ -142,22 +142,27 @@ class Trainer:
             self.args, self.tokenizer, s.consumed_train_samples, s.consumed_valid_samples)
 
     # ---- one step ----------------------------------------------------------------
+    def _forward_backward(self, data_iterator, forward_only: bool):
+        """megatron-core's schedule for this layout (1F1B, interleaved or none)."""
+        args, model = self.args, self.state.model
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=_iterators_for(model, data_iterator),
+            model=model,
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=None,
+            forward_only=forward_only,
+        )
+
     def train_step(self):
         args, s = self.args, self.state
         for chunk in s.model:
             chunk.zero_grad_buffer()
         s.optimizer.zero_grad()
         self.timers("forward-backward", log_level=0).start()
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=_iterators_for(s.model, self.train_it),
-            model=s.model,
-            num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            decoder_seq_length=None,
-            forward_only=False,
-        )
+        losses = self._forward_backward(self.train_it, forward_only=False)
         self.timers("forward-backward").stop()
         self.timers("optimizer", log_level=0).start()
         ok, grad_norm, _ = s.optimizer.step()
@@ -173,12 +178,7 @@ class Trainer:
         totals = {}
         with torch.no_grad():
             for _ in range(args.eval_iters):
-                losses = get_forward_backward_func()(
-                    forward_step_func=forward_step,
-                    data_iterator=_iterators_for(s.model, self.valid_it),
-                    model=s.model, num_microbatches=args.num_microbatches,
-                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                    decoder_seq_length=None, forward_only=True)
+                losses = self._forward_backward(self.valid_it, forward_only=True)
                 s.consumed_valid_samples += args.global_batch_size
                 for k, v in _reduce_losses(losses).items():
                     totals[k] = totals.get(k, 0.0) + v / args.eval_iters
