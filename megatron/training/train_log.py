@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import time
 
-import torch
 
 from megatron.training.llama_model import num_floating_point_operations
 from megatron.training.utils import is_last_rank, print_rank_0, print_rank_last
@@ -67,8 +66,12 @@ class TrainLogger:
         if self.writer is not None:
             self.writer.add_scalar("iteration-time-ms", ms, s.iteration)
             self.writer.add_scalar("throughput-tflops", tflops, s.iteration)
-        names = ["forward-backward", "optimizer"]
-        timers.log(names, normalizer=self.n, rank=torch.distributed.get_world_size() - 1)
+        # a collective (min/max over ranks); printed, as megatron's Timers.log would only
+        # reach an unconfigured logging.info
+        text = timers.get_all_timers_string(["forward-backward", "optimizer"],
+                                            normalizer=self.n, reset=True)
+        if text:
+            print_rank_last(text)
         self.t_sum, self.n, self.loss_sum, self.loss_n, self.skipped = 0.0, 0, 0.0, 0, 0
 
     def validation(self, totals: dict) -> None:
