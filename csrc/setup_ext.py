@@ -165,7 +165,7 @@ def hipify_sources(out_dir: str) -> list[str]:
         log(f"torch hipify unavailable ({exc}); trying hipify-perl")
     os.makedirs(out_dir, exist_ok=True)
     outs = []
-    for src in GPU_SOURCES + ["csrc/cuda_ops.h"]:
+    for src in GPU_SOURCES + ["csrc/cuda_ops.h", "csrc/cuda_check.h"]:
         dst = os.path.join(out_dir, os.path.basename(src).replace(".cu", ".hip"))
         with open(dst, "w") as fh:
             subprocess.check_call(["hipify-perl", src], stdout=fh)

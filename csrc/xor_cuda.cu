@@ -13,14 +13,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda_check.h"
 #include "cuda_ops.h"
 
-#define REFT_CUDA_CHECK(expr)                                                       \
-  do {                                                                              \
-    cudaError_t err_ = (expr);                                                      \
-    if (err_ != cudaSuccess)                                                        \
-      throw std::runtime_error(std::string(#expr) + ": " + cudaGetErrorString(err_)); \
-  } while (0)
 
 namespace reft {
 namespace gpu {

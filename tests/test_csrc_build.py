@@ -79,3 +79,8 @@ def test_hipify_produces_hip_sources(tmp_path):
     text = "".join(open(p).read() for p in outs)
     assert "hipMemcpyAsync" in text and "hipHostRegister" in text and "hipLaunchKernelGGL" in text
     assert "cudaMemcpyAsync" not in text and "cuda_runtime.h" not in text
+    # the shared error-check header is converted too
+    import glob
+
+    headers = [open(p).read() for p in glob.glob(str(tmp_path / "hip" / "*check*.h"))]
+    assert any("hipGetErrorString" in h and "cudaGetErrorString" not in h for h in headers)
