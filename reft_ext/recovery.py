@@ -25,7 +25,7 @@ from reft_ext.snapshot import ReftSnapshotter, reft_print
 from reft_ext.store import from_jsonable
 
 
-def _inventory(s: ReftSnapshotter, verify_all: bool) -> dict:
+def _inventory(s: ReftSnapshotter, verify_all: bool, manifests: dict) -> dict:
     """iteration -> {slot, ok: {own, redundancy, owned}} for this rank.
 
     Checksums cost a pass over the bytes, so round 1 verifies only what a recovery
@@ -34,8 +34,8 @@ def _inventory(s: ReftSnapshotter, verify_all: bool) -> dict:
     None (unverified); round 2 (``verify_all``) verifies everything."""
     out = {}
     sig = s.layout.signature()
-    manifests = sorted(s.store.manifests().items(), key=lambda kv: -int(kv[1]["iteration"]))
-    for i, (slot, m) in enumerate(manifests):
+    newest_first = sorted(manifests.items(), key=lambda kv: -int(kv[1]["iteration"]))
+    for i, (slot, m) in enumerate(newest_first):
         usable = (m.get("layout") == sig and m.get("nbytes") == s.nbytes and
                   m.get("protection") == s.protection.name)
         flags = {}
@@ -143,8 +143,9 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
     # ranks arrive at different times (imports): time the recovery, not the arrival skew
     torch.distributed.barrier(group=a.control_group)
     t0 = time.perf_counter()
+    manifests = s.store.manifests()  # read once: slot -> manifest
     for verify_all in (False, True):
-        mine = _inventory(s, verify_all)
+        mine = _inventory(s, verify_all, manifests)
         inventories = [None] * a.world_size
         torch.distributed.all_gather_object(inventories, mine, group=a.control_group)
         it, plans = plan_recovery(s, inventories, persistent)
@@ -159,7 +160,7 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
     plan = plans[gi]
     lay, L = s.layout, s.layout.slice_bytes
     entry = mine.get(it)
-    manifest = s.store.manifests()[entry["slot"]] if entry else None
+    manifest = manifests[entry["slot"]] if entry else None
     data = s.store.data(entry["slot"], s.nbytes) if entry else None
     # 1. what each member already holds (own slice, ARC replica of the next one), and
     #    who sends each slice to the members that lack it (point-to-point)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -43,13 +42,6 @@ def reft_print(msg: str) -> None:
     print(f"[REFT] {msg}", flush=True)
 
 
-@dataclass
-class SnapshotFault:
-    """Test hook: called halfway through writing a snapshot (after the own slice)."""
-
-    fn: Callable[[int], None]
-
-
 class ReftSnapshotter:
     def __init__(self, cfg: ReftConfig, adapter: StateAdapter):
         self.cfg, self.a = cfg, adapter
@@ -69,7 +61,8 @@ class ReftSnapshotter:
         self.store = SnapshotStore(cfg.job_id, cfg.node_of(adapter.rank), adapter.rank,
                                    cfg.shm_dir)
         self.engine = CopyEngine()
-        self.fault: SnapshotFault | None = None
+        # test hook: called halfway through a snapshot write (after the own slice)
+        self.fault: Callable[[int], None] | None = None
         self._check_memory()
 
     def _check_memory(self) -> None:
@@ -111,7 +104,7 @@ class ReftSnapshotter:
             handle.wait()
         buf[own_off + covered:own_off + own_n].zero_()
         if self.fault is not None:
-            self.fault.fn(iteration)
+            self.fault(iteration)
         # 2. redundancy, encoded from this rank's own full copy (no communication)
         r_off, r_n = self.regions["redundancy"]
         if r_n:

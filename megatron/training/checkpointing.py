@@ -125,6 +125,7 @@ class Checkpointer:
 
     def __init__(self, args):
         self.args = args
+        self.latest: int | None = None  # iteration of the last save or load: never saved twice
         self.async_queue = AsyncCallsQueue() if args.async_save else None
         if not torch.cuda.is_available():
             _prewarm_results_queue()
@@ -132,6 +133,7 @@ class Checkpointer:
     # ---- save ------------------------------------------------------------------
     def save(self, state: TrainingState) -> None:
         args, it = self.args, state.iteration
+        self.latest = it
         root = args.save
         path = checkpoint_dir(root, it)
         t0 = time.time()
@@ -215,6 +217,7 @@ class Checkpointer:
         if load_rng:
             state.set_rng_state(loaded["rng_state"])
         state.set_counters(loaded["train_state"])
+        self.latest = state.iteration
         print_rank_0(f"loaded checkpoint {path} at iteration {it} [{time.time() - t0:.2f} s]")
         return True
 

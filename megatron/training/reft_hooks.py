@@ -14,7 +14,7 @@ from megatron.training.train_state import TrainingState
 from reft_ext.config import ReftConfig
 from reft_ext.recovery import recover
 from reft_ext.shm import job_dir
-from reft_ext.snapshot import ReftSnapshotter, SnapshotFault, reft_print
+from reft_ext.snapshot import ReftSnapshotter, reft_print
 
 
 def _all_dp_groups() -> list[list[int]]:
@@ -77,7 +77,7 @@ class ReftHook:
         self.snap = ReftSnapshotter(self.cfg, self.adapter)
         self.faults = [f for f in faults if f.rank == self.adapter.rank]
         if any(f.mode == "snapshot" for f in self.faults):
-            self.snap.fault = SnapshotFault(self._fault_in_snapshot)
+            self.snap.fault = self._fault_in_snapshot
         fault_injection.NODE_LOSS_CALLBACKS.append(self.wipe_node)
         fault_injection.CORRUPT_CALLBACKS.append(self.corrupt_own_slice)
 

@@ -225,26 +225,25 @@ class Trainer:
             prev = t
         return ", ".join(parts)
 
+    def _save_unless_saved(self) -> None:
+        if self.args.save and self.ckpt.latest != self.state.iteration:
+            self.ckpt.save(self.state)
+
     def _should_stop(self) -> bool:
         args, s = self.args, self.state
-        saved = False
-        if args.save and args.save_interval and s.iteration % args.save_interval == 0:
-            self.ckpt.save(s)
-            saved = True
+        if args.save_interval and s.iteration % args.save_interval == 0:
+            self._save_unless_saved()
         stop = bool(args.exit_interval and s.iteration % args.exit_interval == 0)
         if self.exit_signal is not None and self.exit_signal.received_anywhere():
             print_rank_0(f"exit signal received: stopping at iteration {s.iteration}")
             stop = True
-        if stop and args.save and not saved:
-            self.ckpt.save(s)
-        self._stopped_early = stop
+        if stop:
+            self._save_unless_saved()
         return stop
 
     def _finish(self):
         args, s = self.args, self.state
-        if args.save and not getattr(self, "_stopped_early", False) and \
-                not (args.save_interval and s.iteration % args.save_interval == 0):
-            self.ckpt.save(s)
+        self._save_unless_saved()
         if self.ckpt:
             self.ckpt.close()
         if args.save:

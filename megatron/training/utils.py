@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
@@ -44,10 +43,6 @@ def process_start_time() -> float:
         return psutil.Process(os.getpid()).create_time()
     except Exception:  # noqa: BLE001 - psutil missing: the import time is close enough
         return _IMPORT_TIME
-
-
-def log_stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 _IMPORT_TIME = time.time()
