@@ -16,7 +16,7 @@ from reft_ext.checksum import checksum
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy_engine import CopyEngine
 from reft_ext.layout import StateLayout
-from reft_ext.protection import make_protection
+from reft_ext.protection import make_protection, snapshot_regions
 from reft_ext.store import SnapshotStore, to_jsonable
 
 log = logging.getLogger("reft")
@@ -51,12 +51,7 @@ class ReftSnapshotter:
         self.protection = make_protection(cfg.redundancy, self.D)
         self.layout = StateLayout(adapter.replicated_tensors(), adapter.owned_tensors(),
                                   self.D, self.member, self.protection.sub_blocks())
-        self.red_bytes = self.protection.redundancy_bytes(self.layout)
-        self.regions = {  # [offset, length] in the slot's data segment
-            "own": [0, self.layout.slice_bytes],
-            "redundancy": [self.layout.slice_bytes, self.red_bytes],
-            "owned": [self.layout.slice_bytes + self.red_bytes, self.layout.owned.nbytes],
-        }
+        self.regions = snapshot_regions(self.layout, self.protection)
         self.nbytes = sum(n for _, n in self.regions.values())
         self.store = SnapshotStore(cfg.job_id, cfg.node_of(adapter.rank), adapter.rank,
                                    cfg.shm_dir)
