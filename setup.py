@@ -41,7 +41,8 @@ setup(
         "xxhash",  # snapshot checksums at ~10 GB/s
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib"],
+        "plot": ["matplotlib"],
         "gpu": ["transformer-engine", "apex"],
     },
     ext_modules=get_ext_modules(),
