@@ -9,6 +9,7 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 
 PROTECTIONS = ("none", "arc", "aec", "aor")
+SCHEDULES = ("has", "end-of-iteration", "host-thread")
 
 
 class ReftConfigError(ValueError):
@@ -46,6 +47,14 @@ class ReftConfig:
         help="names the job's shared memory (default: TORCHELASTIC_RUN_ID or SLURM_JOB_ID)"))
     keep_snapshots: bool = field(default=False, metadata=dict(
         help="leave the snapshots in shared memory when training ends"))
+    schedule: str = field(default="has", metadata=dict(
+        help="when snapshots are copied: has (into pipeline bubbles, the rest in small "
+             "chunks beside compute, finished before the next optimizer step) | "
+             "end-of-iteration (blocking copy after the step) | host-thread (a background "
+             "thread copies the whole snapshot at once)"))
+    trace_file: str = field(default="", metadata=dict(
+        help="write a Chrome trace (JSON; opens in Perfetto) of every rank's schedule, "
+             "bubbles and snapshot chunks to this path"))
 
     def __post_init__(self):
         if self.snapshot_every < 0:
@@ -63,6 +72,9 @@ class ReftConfig:
             raise ReftConfigError("--reft-protect: 'none' cannot be combined with "
                                   f"{[p for p in parts if p != 'none']}")
         self.protect = ",".join(parts)
+        if self.schedule not in SCHEDULES:
+            raise ReftConfigError(f"--reft-schedule: unknown schedule {self.schedule!r}; "
+                                  f"choose from {', '.join(SCHEDULES)}")
         self.host_memory_limit_bytes = parse_bytes(self.host_memory_limit)
         if self.ranks_per_node == 0:
             self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -3,7 +3,8 @@ at save time: each member encodes from its own full copy of the replicated state
 
 A scheme has three verbs:
 
-* ``encode(layout, out)``: fill this member's redundancy bytes;
+* ``encode(layout, out, lo)``: fill bytes [lo, lo + len(out)) of this member's redundancy
+  block (any range, so the HAS scheduler can encode chunk by chunk, in bubbles);
 * ``plan(own_ok, red_ok)``: given which members still hold a valid own slice and a valid
   redundancy block, say how each slice is rebuilt (``None``: the group cannot recover);
 * ``recover(lost, slices, redundancy, out)``: rebuild slice ``lost``.
@@ -41,7 +42,7 @@ class Protection(ABC):
     def redundancy_bytes(self, layout: StateLayout) -> int: ...
 
     @abstractmethod
-    def encode(self, layout: StateLayout, out: torch.Tensor) -> None: ...
+    def encode(self, layout: StateLayout, out: torch.Tensor, lo: int = 0) -> None: ...
 
     @abstractmethod
     def sources(self, lost: int) -> list[int]:
@@ -74,7 +75,7 @@ class NoProtection(Protection):
     def redundancy_bytes(self, layout):
         return 0
 
-    def encode(self, layout, out):
+    def encode(self, layout, out, lo=0):
         pass
 
     def sources(self, lost):
@@ -92,9 +93,9 @@ class ARC(Protection):
     def redundancy_bytes(self, layout):
         return layout.slice_bytes
 
-    def encode(self, layout, out):
-        start, end = layout.slice_range((layout.member + 1) % self.D)
-        layout.replicated.read(start, end, out)
+    def encode(self, layout, out, lo=0):
+        start = layout.slice_range((layout.member + 1) % self.D)[0] + lo
+        layout.replicated.read(start, start + out.numel(), out)
 
     def sources(self, lost):
         return [self.holder(lost)]
@@ -125,19 +126,19 @@ class AEC(Protection):
     def redundancy_bytes(self, layout):
         return layout.slice_bytes // (self.D - 1)
 
-    def encode(self, layout, out):
-        m, S = layout.member, self.redundancy_bytes(layout)
-        tmp = torch.empty(S, dtype=torch.uint8)
+    def encode(self, layout, out, lo=0):
+        m, S, n = layout.member, self.redundancy_bytes(layout), out.numel()
+        tmp = torch.empty(n, dtype=torch.uint8)
         first = True
         for j in range(self.D):
             if j == m:
                 continue
-            start = layout.slice_range(j)[0] + self._k(j, m) * S
+            start = layout.slice_range(j)[0] + self._k(j, m) * S + lo
             if first:
-                layout.replicated.read(start, start + S, out)
+                layout.replicated.read(start, start + n, out)
                 first = False
             else:
-                layout.replicated.read(start, start + S, tmp)
+                layout.replicated.read(start, start + n, tmp)
                 xor_encode([tmp], out, accumulate=True)
 
     def sources(self, lost):

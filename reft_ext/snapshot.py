@@ -11,13 +11,16 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from reft_ext.bubbles import bubble_time, snapshot_time, tier_split
+from reft_ext.checksum import CHUNK, checksum, chunk_digest, combine
 from reft_ext.checksum import DEFAULT as CHECKSUM
-from reft_ext.checksum import checksum
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy_engine import CopyEngine
 from reft_ext.layout import StateLayout
 from reft_ext.protection import make_protection, snapshot_regions
+from reft_ext.has import TIER1, TIER2, Batch, HasWorker, Unit
 from reft_ext.store import SnapshotStore, to_jsonable
+from reft_ext.timeline import PipelineEvents
 
 log = logging.getLogger("reft")
 
@@ -42,8 +45,24 @@ def reft_print(msg: str) -> None:
     print(f"[REFT] {msg}", flush=True)
 
 
+def _copy_bandwidth(nbytes: int = 32 << 20) -> float:
+    """A first guess of BW_io (bytes/s) for T_snapshot; later snapshots measure it."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    chunk_digest(dst)
+    return nbytes / max(time.perf_counter() - t0, 1e-6)
+
+
 class ReftSnapshotter:
-    def __init__(self, cfg: ReftConfig, adapter: StateAdapter):
+    """Takes, protects and commits the snapshots of one rank, on the schedule of
+    ``--reft-schedule``: ``end-of-iteration`` (blocking copy after the optimizer step),
+    ``host-thread`` (a thread copies it all at once, unaware of the schedule) or ``has``
+    (bubbles first, the rest in small chunks beside compute; see reft_ext/has.py)."""
+
+    def __init__(self, cfg: ReftConfig, adapter: StateAdapter,
+                 events: PipelineEvents | None = None):
         self.cfg, self.a = cfg, adapter
         cfg.validate_layout(adapter.world_size, adapter.all_dp_groups)
         self.D = len(adapter.dp_ranks)
@@ -59,6 +78,16 @@ class ReftSnapshotter:
         # test hook: called halfway through a snapshot write (after the own slice)
         self.fault: Callable[[int], None] | None = None
         self._check_memory()
+        self.events = events or PipelineEvents(adapter.rank)
+        self.pipeline = getattr(adapter, "pipeline", (1, 1, 1))  # (pp, vpp, micro-batches)
+        self.pending: Batch | None = None
+        self.last: dict = {}
+        self.bandwidth = _copy_bandwidth()
+        self.worker = None
+        if cfg.enabled and cfg.schedule != "end-of-iteration":
+            self.worker = HasWorker(self.events.trace)
+            if cfg.schedule == "has":
+                self.events.listeners.append(self.worker)
 
     def _check_memory(self) -> None:
         """Two slots per rank, for every rank of the node: fail now, not at a SIGBUS."""
@@ -75,72 +104,139 @@ class ReftSnapshotter:
 
     # ---- save -------------------------------------------------------------------
     def maybe_snapshot(self, iteration: int) -> bool:
+        """Called after the optimizer step of ``iteration``."""
         if not self.cfg.enabled or iteration % self.cfg.snapshot_every:
             return False
-        self.snapshot(iteration)
+        self.flush()
+        batch = self._begin(iteration)
+        if self.worker is None:       # end-of-iteration: copy now, training waits
+            self._run_inline(batch)
+            self._finish(wait_s=None)
+        else:                         # has / host-thread: copy during the next fwd/bwd
+            self._plan_tiers(batch)
+            self.worker.submit(batch)
         return True
+
+    def before_optimizer_step(self) -> None:
+        """The state is about to change: the snapshot in flight must be complete."""
+        self.flush()
+
+    def flush(self) -> None:
+        """Finish and commit the snapshot in flight, if any (also at exit)."""
+        if self.pending is None:
+            return
+        with self.events.span("snapshot-drain", "snapshot", iteration=self.pending.iteration):
+            wait = self.worker.drain()
+        self._finish(wait_s=wait)
 
     @torch.no_grad()
     def snapshot(self, iteration: int) -> None:
-        t0 = time.perf_counter()
-        lay = self.layout
+        """One blocking snapshot, whatever the schedule."""
+        self.flush()
+        self._run_inline(self._begin(iteration))
+        self._finish(wait_s=None)
+
+    def _begin(self, iteration: int) -> Batch:
+        """Units of work for the state as it is now, metadata captured now."""
+        lay, units = self.layout, []
         slot, buf = self.store.begin(self.nbytes)
-        own_off, own_n = self.regions["own"]
-        start, end = lay.slice_range(self.member)
-        sums = {}
-        # 1. own slice, straight from the state tensors into shared memory
-        pieces = lay.replicated.pieces(start, end)
-        items = [(lay.replicated.tensors[p.index], buf, p.src_off, own_off + p.dst_off, p.n)
-                 for p in pieces]
-        covered = sum(p.n for p in pieces)
-        handle = self.engine.submit(items) if items else None
-        sums["own"] = lay.replicated.checksum(start, end)  # from the source bytes
-        if handle is not None:
-            handle.wait()
-        buf[own_off + covered:own_off + own_n].zero_()
-        if self.fault is not None:
-            self.fault(iteration)
-        # 2. redundancy, encoded from this rank's own full copy (no communication)
-        r_off, r_n = self.regions["redundancy"]
-        if r_n:
-            red = buf[r_off:r_off + r_n]
-            self.protection.encode(lay, red)
-            sums["redundancy"] = checksum(red)
-        else:
-            sums["redundancy"] = 0
-        # 3. owned state (ZeRO-1 shards), whole
-        o_off, o_n = self.regions["owned"]
-        items = [(lay.owned.tensors[p.index], buf, p.src_off, o_off + p.dst_off, p.n)
-                 for p in lay.owned.pieces(0, lay.owned.nbytes)]
-        if items:
-            self.engine.submit(items).wait()
-        sums["owned"] = lay.owned.checksum(0, lay.owned.nbytes)
-        manifest = {
-            "iteration": iteration, "rank": self.a.rank, "member": self.member,
-            "dp_ranks": self.a.dp_ranks, "world_size": self.a.world_size,
-            "protection": self.protection.name, "layout": lay.signature(),
-            "nbytes": self.nbytes, "checksum": CHECKSUM,
-            "regions": {k: [o, n, sums[k]] for k, (o, n) in self.regions.items()},
-            "meta": to_jsonable(self.a.get_meta()),
+        start = lay.slice_range(self.member)[0]
+        fills = {
+            "own": lambda dst, lo: lay.replicated.read(start + lo, start + lo + dst.numel(), dst),
+            "redundancy": lambda dst, lo: self.protection.encode(lay, dst, lo),
+            "owned": lambda dst, lo: lay.owned.read(lo, lo + dst.numel(), dst),
         }
-        self.store.finish(slot, manifest)
-        t_local = time.perf_counter() - t0
-        # 4. collective commit: the new snapshot replaces the old one only when it is
-        #    complete on every rank of the job (the all-reduce returns only then)
-        total = torch.tensor([self.nbytes], dtype=torch.int64)
-        torch.distributed.all_reduce(total, group=self.a.control_group)
-        self.store.commit(slot, iteration)
-        slowest = torch.tensor([t_local], dtype=torch.float64)
-        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX,
+        batch = Batch(units, iteration)
+        for region, (off, n) in self.regions.items():
+            for index, lo in enumerate(range(0, n, CHUNK)):
+                dst = buf[off + lo:off + min(n, lo + CHUNK)]
+                units.append(Unit(region, index, dst.numel(),
+                                  self._unit(batch, fills[region], dst, lo, region)))
+        self.pending = batch
+        batch.slot, batch.t0 = slot, time.perf_counter()
+        batch.meta = to_jsonable(self.a.get_meta())
+        return batch
+
+    def _unit(self, batch, fill, dst, lo, region):
+        def run() -> int:
+            if region != "own" and self.fault is not None and not batch.fault_checked:
+                batch.fault_checked = True  # test hook: "halfway through the write"
+                self.fault(batch.iteration)
+            with torch.no_grad():
+                fill(dst, lo)
+            return chunk_digest(dst)
+        return run
+
+    def _run_inline(self, batch: Batch) -> None:
+        t0 = time.perf_counter()
+        for u in batch.units:
+            batch.digests.setdefault(u.region, {})[u.index] = u.run()
+        batch.done = len(batch.units)
+        batch.by_how["drain"] = self.nbytes
+        batch.busy_s = time.perf_counter() - t0
+
+    def _plan_tiers(self, batch: Batch) -> None:
+        """Algorithm 1 with measured inputs: the first bytes that fit into the bubbles
+        (online profile of recent steps, else the 1F1B formula) are tier 1."""
+        t_snap = snapshot_time(self.nbytes, self.bandwidth)
+        t_bubble = self.events.profile.bubble()
+        if t_bubble is None:
+            compute, (pp, vpp, m) = self.events.profile.compute(), self.pipeline
+            t_bubble = bubble_time(pp, compute / m, vpp) if compute else 0.0
+        if self.cfg.schedule == "host-thread":
+            t_bubble = 0.0
+        split = tier_split(self.nbytes, t_snap, t_bubble)
+        batch.split, seen = split, 0
+        for u in batch.units:
+            u.tier = TIER1 if seen < split.bubble_bytes else TIER2
+            seen += u.nbytes
+
+    def _finish(self, wait_s: float | None) -> None:
+        batch, self.pending = self.pending, None
+        algo, sums = CHECKSUM, {}
+        for region, (_, n) in self.regions.items():
+            d = batch.digests.get(region, {})
+            sums[region] = combine([d[i] for i in range(len(d))], algo) if n else \
+                checksum(b"", algo)
+        if batch.busy_s > 0 and self.nbytes >= CHUNK:  # bytes/s of the copy + hash itself
+            self.bandwidth = 0.5 * self.bandwidth + 0.5 * self.nbytes / batch.busy_s
+        manifest = {
+            "iteration": batch.iteration, "rank": self.a.rank, "member": self.member,
+            "dp_ranks": self.a.dp_ranks, "world_size": self.a.world_size,
+            "protection": self.protection.name, "layout": self.layout.signature(),
+            "nbytes": self.nbytes, "checksum": algo,
+            "regions": {k: [o, n, sums[k]] for k, (o, n) in self.regions.items()},
+            "meta": batch.meta,
+        }
+        self.store.finish(batch.slot, manifest)
+        blocked = batch.busy_s if wait_s is None else wait_s
+        with self.events.span("snapshot-commit", "snapshot", iteration=batch.iteration):
+            # collective commit: the new snapshot replaces the old one only when it is
+            # complete on every rank of the job (the all-reduce returns only then)
+            total = torch.tensor([self.nbytes], dtype=torch.int64)
+            torch.distributed.all_reduce(total, group=self.a.control_group)
+            self.store.commit(batch.slot, batch.iteration)
+        self.last = {"iteration": batch.iteration, "blocked_s": blocked, **batch.by_how,
+                     "sums": sums}
+        stats = torch.tensor([blocked, batch.busy_s], dtype=torch.float64)
+        torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX,
                                      group=self.a.control_group)
         if self.a.rank == 0:
-            reft_print(f"snapshot iteration {iteration}: {total.item()} bytes on "
-                       f"{self.a.world_size} ranks (per rank: own {own_n}, "
-                       f"{self.protection.name} {r_n}, owned {o_n}) in "
-                       f"{1000 * slowest.item():.1f} ms (slowest rank), committed "
-                       f"{1000 * (time.perf_counter() - t0):.1f} ms")
+            r, how = self.regions, batch.by_how
+            tiers = "" if wait_s is None else (
+                f", {self.cfg.schedule}: {how['bubble']} B in bubbles, {how['compute']} B "
+                f"beside compute, {how['drain']} B at the step")
+            reft_print(f"snapshot iteration {batch.iteration}: {total.item()} bytes on "
+                       f"{self.a.world_size} ranks (per rank: own {r['own'][1]}, "
+                       f"{self.protection.name} {r['redundancy'][1]}, owned {r['owned'][1]})"
+                       f"{tiers}; training blocked {1000 * stats[0].item():.1f} ms, copy "
+                       f"{1000 * stats[1].item():.1f} ms (slowest rank), committed "
+                       f"{1000 * (time.perf_counter() - batch.t0):.1f} ms after the step")
 
     def close(self, remove: bool) -> None:
+        self.flush()
+        if self.worker is not None:
+            self.worker.close()
         self.engine.close()
         if remove:
             self.store.remove()

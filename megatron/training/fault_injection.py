@@ -1,8 +1,10 @@
 """``--inject-fault RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]][,...]``: kill ranks at an
 iteration, on one torchrun attempt (the first by default).
 
-The fault fires when iteration ITER begins on global rank RANK (so ITER-1 iterations
-are complete everywhere), and only while ``TORCHELASTIC_RESTART_COUNT`` equals ATTEMPT (default 0; unset outside
+The fault fires during iteration ITER on global rank RANK, after its forward and backward
+passes and right before its optimizer step (so ITER-1 iterations are complete everywhere,
+and under ``--reft-schedule has`` the snapshot of ITER-1, copied during ITER's passes, is
+committed), and only while ``TORCHELASTIC_RESTART_COUNT`` equals ATTEMPT (default 0; unset outside
 torchrun counts as 0), so the job restarted by torchrun runs through. Before the signal is
 sent, one line ``[FAULT] ...`` is printed and flushed: tests assert on it to prove the
 fault really fired. MODE (REFT runs):
@@ -78,7 +80,7 @@ def attempt() -> int:
 
 
 def maybe_inject_fault(specs, rank: int, iteration: int) -> None:
-    """Call at the start of each iteration (``iteration`` = the one about to run)."""
+    """Call before the optimizer step of ``iteration``."""
     for spec in specs or ():
         if rank == spec.rank and iteration == spec.iteration and spec.mode != "snapshot":
             fire(spec, f"at iteration {iteration}")

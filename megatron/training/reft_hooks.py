@@ -43,6 +43,9 @@ class MegatronStateAdapter:
         self.dp_ranks = sorted(torch.distributed.get_process_group_ranks(self.dp_group))
         self.all_dp_groups = _all_dp_groups()
         self.control_group = torch.distributed.new_group(backend="gloo")
+        # what the HAS scheduler's 1F1B formula needs: (pp, vpp, micro-batches)
+        self.pipeline = (args.pipeline_model_parallel_size,
+                         args.virtual_pipeline_model_parallel_size or 1, args.num_microbatches)
 
     def _split(self):
         rep, own = [], []
@@ -69,12 +72,12 @@ class MegatronStateAdapter:
 class ReftHook:
     """after_step: snapshot; at start-up: recover; on exit: clean up shared memory."""
 
-    def __init__(self, args, state: TrainingState, faults=()):
+    def __init__(self, args, state: TrainingState, faults=(), events=None):
         self.cfg = ReftConfig.from_args(args)
         # a fresh optimizer has no Adam state yet: create it so the layout is final
         optimizer_state.ensure_adam_state(state.optimizer)
         self.adapter = MegatronStateAdapter(state, args)
-        self.snap = ReftSnapshotter(self.cfg, self.adapter)
+        self.snap = ReftSnapshotter(self.cfg, self.adapter, events)
         self.faults = [f for f in faults if f.rank == self.adapter.rank]
         if any(f.mode == "snapshot" for f in self.faults):
             self.snap.fault = self._fault_in_snapshot
@@ -86,6 +89,9 @@ class ReftHook:
 
     def after_step(self, state):
         self.snap.maybe_snapshot(state.iteration)
+
+    def before_optimizer_step(self, state):
+        self.snap.before_optimizer_step()
 
     def on_exit(self, state):
         torch.distributed.barrier(group=self.adapter.control_group)

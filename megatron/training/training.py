@@ -18,7 +18,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 
-from megatron.training import llama_model
+from megatron.training import llama_model, pipeline_events
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.fault_injection import maybe_inject_fault, parse_fault_specs
 from megatron.training.initialize import initialize_megatron
@@ -93,6 +93,16 @@ class Trainer:
         cfg.finalize_model_grads_func = finalize_model_grads
         cfg.grad_scale_func = optimizer.scale_loss
         self.state = TrainingState(model, optimizer, scheduler)
+        # schedule events (bubbles for HAS, the Chrome trace): only when asked for, so a
+        # plain run calls megatron-core exactly as Megatron-LM does
+        self.events, self.fb_kwargs = None, {}
+        if args.reft_snapshot_every or args.reft_trace_file:
+            from reft_ext.timeline import PipelineEvents
+
+            self.events = PipelineEvents(torch.distributed.get_rank(),
+                                         trace=bool(args.reft_trace_file))
+            self.fb_kwargs = pipeline_events.install(cfg, self.events)
+            self.trace_group = torch.distributed.new_group(backend="gloo")
         self.faults = parse_fault_specs(args.inject_fault) if args.inject_fault else []
         self.ckpt = Checkpointer(args) if (args.save or args.load) else None
         self.exit_signal = ExitSignal() if args.exit_signal_handler else None
@@ -116,7 +126,7 @@ class Trainer:
         if args.reft_snapshot_every:
             from megatron.training.reft_hooks import ReftHook
 
-            self.reft = ReftHook(args, self.state, self.faults)
+            self.reft = ReftHook(args, self.state, self.faults, self.events)
             self.hooks.insert(0, self.reft)
         persistent = None
         if args.load and os.path.isdir(args.load):
@@ -154,6 +164,7 @@ class Trainer:
             micro_batch_size=args.micro_batch_size,
             decoder_seq_length=None,
             forward_only=forward_only,
+            **self.fb_kwargs,
         )
 
     def train_step(self):
@@ -161,11 +172,23 @@ class Trainer:
         for chunk in s.model:
             chunk.zero_grad_buffer()
         s.optimizer.zero_grad()
+        ev = self.events
+        if ev:
+            ev.step_begin(s.iteration + 1)
         self.timers("forward-backward", log_level=0).start()
         losses = self._forward_backward(self.train_it, forward_only=False)
         self.timers("forward-backward").stop()
+        if ev:
+            ev.step_end()
+        for hook in self.hooks:  # REFT: the snapshot in flight completes before the step
+            getattr(hook, "before_optimizer_step", lambda st: None)(s)
+        maybe_inject_fault(self.faults, torch.distributed.get_rank(), s.iteration + 1)
         self.timers("optimizer", log_level=0).start()
+        if ev:
+            ev.phase_begin("optimizer-step")
         ok, grad_norm, _ = s.optimizer.step()
+        if ev:
+            ev.phase_end("optimizer-step", "optimizer", iteration=s.iteration + 1)
         self.timers("optimizer").stop()
         if ok:
             s.scheduler.step(increment=args.global_batch_size)
@@ -193,7 +216,6 @@ class Trainer:
             getattr(hook, "on_start", lambda st: None)(s)
         first = True
         while s.iteration < args.train_iters:
-            maybe_inject_fault(self.faults, torch.distributed.get_rank(), s.iteration + 1)
             t0 = time.time()
             if first:
                 self.logger.startup(t0 - self.t_process, self._startup_split())
@@ -250,6 +272,8 @@ class Trainer:
             print_rank_0(f"checkpoints are in {os.path.abspath(args.save)}")
         for hook in self.hooks:
             getattr(hook, "on_exit", lambda st: None)(s)
+        if args.reft_trace_file:
+            self._write_trace()
         if args.log_params_hash:
             print(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
                   f"state {params_hash(s)}", flush=True)
@@ -257,6 +281,25 @@ class Trainer:
                 print(f"[LOSSES] rank {torch.distributed.get_rank()} " + " ".join(
                     f"{i}:{h}" for i, h in sorted(self.losses.items())), flush=True)
         self.logger.close()
+
+
+    def _write_trace(self) -> None:
+        """Every rank's events to rank 0, one Chrome trace file."""
+        from reft_ext.timeline import write_chrome_trace
+
+        tr = self.events.trace
+        tr.labels["process"] = (f"rank {tr.rank} (tp {mpu.get_tensor_model_parallel_rank()}, "
+                                f"pp {mpu.get_pipeline_model_parallel_rank()}, "
+                                f"dp {mpu.get_data_parallel_rank()})")
+        world = torch.distributed.get_world_size()
+        gathered = [None] * world if tr.rank == 0 else None
+        torch.distributed.gather_object((tr.chrome_events(), tr.dropped), gathered, dst=0,
+                                        group=self.trace_group)
+        if tr.rank == 0:
+            write_chrome_trace(self.args.reft_trace_file, [g[0] for g in gathered],
+                               sum(g[1] for g in gathered))
+            print(f"[REFT] trace of {world} ranks written to "
+                  f"{os.path.abspath(self.args.reft_trace_file)}", flush=True)
 
 
 def pretrain(args, hooks=()) -> TrainingState:

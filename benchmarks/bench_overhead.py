@@ -1,0 +1,111 @@
+"""Snapshot overhead per iteration: REFT HAS against no snapshot and the baselines, in the
+GPU-like regime (many parameters, few tokens per iteration: a blocking copy of the state
+costs a large share of an iteration, as over PCIe next to a GPU).
+
+    python benchmarks/bench_overhead.py [--cycles 4] [--block 4] [--cases pp2,dp2,pp2dp2]
+
+Per case one torchrun; inside it every method takes turns in blocks of ``--block``
+iterations (A A A A B B B B ... repeated ``--cycles`` times; see overhead_probe.py), so all
+methods share processes, model and machine state. A block's first iteration absorbs the
+hand-over and is not counted. Medians over the counted iterations (slowest rank per
+iteration). Cases:
+
+  pp2     2 ranks, PP2, OMP_NUM_THREADS=1 (a core per rank: bubbles are idle time)
+  dp2     2 ranks, DP2 with ZeRO-1, OMP_NUM_THREADS=1 (arc/aec need DP >= 2)
+  pp2dp2  4 ranks on 2 cores (oversubscribed: reported, not a judge of scheduling)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ~67 M parameters, 32 tokens per micro-batch: fp32 params + Adam are ~0.8 GB
+MODEL = ["--num-layers", "6", "--hidden-size", "768", "--num-attention-heads", "12",
+         "--num-query-groups", "12", "--ffn-hidden-size", "2048", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", "16000", "--micro-batch-size", "1", "--lr", "1e-4",
+         "--lr-warmup-iters", "2", "--log-interval", "1000", "--eval-iters", "0",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
+BASELINES = ["none", "end-of-iteration", "host-thread", "dcp-async", "mcore-async"]
+CASES = {
+    "pp2": dict(nproc=2, layout=["--pipeline-model-parallel-size", "2",
+                                 "--global-batch-size", "2"],
+                protect="none", methods=BASELINES + ["has-none"]),
+    "dp2": dict(nproc=2, layout=["--use-distributed-optimizer", "--global-batch-size", "2"],
+                protect="arc", methods=BASELINES + ["has-none", "has-arc", "has-aec"]),
+    "pp2dp2": dict(nproc=4, layout=["--pipeline-model-parallel-size", "2",
+                                    "--use-distributed-optimizer", "--global-batch-size", "4"],
+                   protect="arc", methods=["none", "end-of-iteration", "host-thread",
+                                           "has-arc"]),
+}
+
+
+def run_case(name: str, cycles: int, block: int) -> dict:
+    c = CASES[name]
+    iters = cycles * block * len(c["methods"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={c['nproc']}", os.path.join(REPO, "benchmarks/overhead_probe.py"),
+           *MODEL, *c["layout"], "--train-iters", str(iters),
+           "--methods", ",".join(c["methods"]), "--block", str(block),
+           "--bench-protect", c["protect"]]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    m = re.search(r"\[BENCH\] (.*)", proc.stdout)
+    if proc.returncode or not m:
+        sys.exit(f"case {name} failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(m.group(1))
+
+
+def table(name: str, res: dict) -> None:
+    r = res["results"]
+    base = statistics.median(r["none"]["iter_ms"])
+    c = CASES[name]
+    judged = c["nproc"] == 2
+    mib = {k: v / 2**20 for k, v in res["snapshot_bytes"].items()}
+    print(f"\n## {name}: {c['nproc']} ranks, {' '.join(c['layout'])}"
+          f"{'' if judged else '  (oversubscribed: 4 ranks on 2 cores, not judged)'}")
+    print("snapshot per rank: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in mib.items()))
+    print(f"{'method':18s} {'median ms/iter':>15s} {'overhead':>9s} "
+          f"{'blocking ms/snapshot (median)':>30s} {'n':>4s}")
+    for m in c["methods"]:
+        it, bl = r[m]["iter_ms"], r[m]["blocked_ms"]
+        med = statistics.median(it)
+        print(f"{m:18s} {med:15.1f} {100 * (med / base - 1):8.1f}% "
+              f"{statistics.median(bl):30.1f} {len(it):4d}")
+    eoi = statistics.median(r["end-of-iteration"]["iter_ms"])
+    print(f"blocking end-of-iteration snapshot costs {100 * (eoi / base - 1):.1f}% of an "
+          f"iteration (the regime needs >= 20%)")
+    has = [m for m in c["methods"] if m.startswith("has-")]
+    others = [m for m in c["methods"] if m not in has and m != "none"]
+    best_base = min(statistics.median(r[m]["iter_ms"]) for m in others)
+    for m in has:
+        med = statistics.median(r[m]["iter_ms"])
+        print(f"{m}: {100 * (med / base - 1):+.1f}% vs no snapshot "
+              f"(goal <= 3%, moonshot 1%), {100 * (med / best_base - 1):+.1f}% vs the best "
+              f"baseline")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cycles", type=int, default=4)
+    ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--cases", default="pp2,dp2,pp2dp2")
+    a = ap.parse_args()
+    for name in a.cases.split(","):
+        if name not in CASES:
+            sys.exit(f"error: --cases: unknown case {name!r} (known: {', '.join(CASES)})")
+    for name in a.cases.split(","):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        table(name, run_case(name, a.cycles, a.block))
+
+
+if __name__ == "__main__":
+    main()

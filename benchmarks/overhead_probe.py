@@ -1,0 +1,251 @@
+"""One rank of bench_overhead.py: the real trainer, with every snapshot method built in
+the same processes and taking turns in blocks of iterations (A A A A B B B B ... A A A
+A ...), so all methods see the same machine, model and data.
+
+Methods (``--methods``, comma-separated):
+  none               no snapshot
+  end-of-iteration   REFT snapshot copied right after the optimizer step (blocking)
+  host-thread        REFT snapshot copied at once by a background thread
+  dcp-async          torch.distributed.checkpoint.async_save into /dev/shm
+  mcore-async        megatron-core dist_checkpointing async save into /dev/shm
+  has-none|has-arc|has-aec   REFT HAS with that protection
+
+Each block's first iteration absorbs the hand-over from the previous method and is not
+measured. Per method, one JSON line ``[BENCH] {...}`` on rank 0: iteration times (the
+slowest rank's, per iteration) and blocking times per snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from megatron.core import parallel_state as mpu  # noqa: E402
+
+from megatron.training import optimizer_state, pipeline_events  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.reft_hooks import MegatronStateAdapter  # noqa: E402
+from megatron.training.training import Trainer  # noqa: E402
+from reft_ext.config import ReftConfig  # noqa: E402
+from reft_ext.snapshot import ReftSnapshotter  # noqa: E402
+from reft_ext.timeline import PipelineEvents  # noqa: E402
+
+JOB = f"bench{os.getpid() if 'TORCHELASTIC_RUN_ID' not in os.environ else ''}" \
+      f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}"[:40]
+
+
+class Reft:
+    def __init__(self, trainer, adapter, schedule, protect, shared=None):
+        # one snapshotter per protection, shared by the schedules (it is built with the
+        # HAS thread, which activate() hands the copies to or not)
+        self.snap = shared or ReftSnapshotter(
+            ReftConfig(snapshot_every=1, protect=protect, ranks_per_node=1, schedule="has",
+                       job_id=f"{JOB}-{protect}"), adapter, trainer.events)
+        self.schedule = schedule
+
+    def activate(self):
+        s = self.snap
+        s.cfg.schedule = self.schedule
+        if s.worker is not None:  # the HAS thread listens to bubbles only under has
+            if self.schedule == "has" and s.worker not in s.events.listeners:
+                s.events.listeners.append(s.worker)
+            if self.schedule != "has" and s.worker in s.events.listeners:
+                s.events.listeners.remove(s.worker)
+        saved = s.worker
+        if self.schedule == "end-of-iteration":
+            s.worker = None
+        self._worker = saved
+
+    def deactivate(self):
+        self.snap.flush()
+        if self._worker is not None:
+            self.snap.worker = self._worker
+
+    def before_step(self):
+        t0 = time.perf_counter()
+        self.snap.before_optimizer_step()
+        return time.perf_counter() - t0
+
+    def after_step(self, state):
+        t0 = time.perf_counter()
+        self.snap.maybe_snapshot(state.iteration)
+        return time.perf_counter() - t0
+
+
+class DcpAsync:
+    """torch DCP async_save every iteration; the previous save is awaited first."""
+
+    def __init__(self, trainer, group):
+        self.trainer, self.group, self.future = trainer, group, None
+        pp, tp = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
+        dp = mpu.get_data_parallel_rank()
+        self.root = f"/dev/shm/{JOB}-dcp"
+        # model params are replicated across DP (deduplicated by DCP's planner); ZeRO-1
+        # shards are this rank's own
+        self.keys = [(f"pp{pp}.tp{tp}." if not n.startswith("optim.") else
+                      f"pp{pp}.tp{tp}.dp{dp}.") + n for n, _ in trainer.state.state_tensors()]
+
+    def activate(self):
+        pass
+
+    def deactivate(self):
+        self._wait()
+
+    def _wait(self):
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+
+    def before_step(self):
+        return 0.0
+
+    def after_step(self, state):
+        t0 = time.perf_counter()
+        self._wait()
+        sd = {k: t for k, (_, t) in zip(self.keys, state.state_tensors())}
+        path = f"{self.root}/it{state.iteration % 2}"
+        self.future = dcp.async_save(sd, checkpoint_id=path, process_group=self.group)
+        return time.perf_counter() - t0
+
+
+class McoreAsync:
+    """megatron-core dist_checkpointing async save (the trainer's --async-save path)."""
+
+    def __init__(self, trainer):
+        from megatron.training.checkpointing import Checkpointer
+
+        args = trainer.args
+        args.save, args.async_save = f"/dev/shm/{JOB}-mcore", True
+        self.ckpt = Checkpointer(args)
+
+    def activate(self):
+        pass
+
+    def deactivate(self):
+        self.ckpt.maybe_finalize(blocking=True)
+
+    def before_step(self):
+        return 0.0
+
+    def after_step(self, state):
+        t0 = time.perf_counter()
+        self.ckpt.maybe_finalize(blocking=True)  # at most one save in flight
+        if torch.distributed.get_rank() == 0:
+            old = os.path.join(self.ckpt.args.save, f"iter_{state.iteration - 2:07d}")
+            shutil.rmtree(old, ignore_errors=True)
+        self.ckpt.save(state)
+        return time.perf_counter() - t0
+
+
+class None_:
+    def activate(self):
+        pass
+
+    def deactivate(self):
+        pass
+
+    def before_step(self):
+        return 0.0
+
+    def after_step(self, state):
+        return 0.0
+
+
+class Rotation:
+    """The hook: picks the method of the block, times iterations and blocking."""
+
+    def __init__(self, trainer, methods: dict, block: int, group):
+        self.trainer, self.methods, self.block, self.group = trainer, methods, block, group
+        self.names = list(methods)
+        self.current = None
+        self.t_last = None
+        self.results = {n: {"iter_ms": [], "blocked_ms": []} for n in self.names}
+        self.pending_block = 0.0
+
+    def _method_for(self, iteration):  # iteration about to run
+        return self.names[((iteration - 1) // self.block) % len(self.names)]
+
+    def before_optimizer_step(self, state):
+        name = self._method_for(state.iteration + 1)
+        if name != self.current:
+            if self.current is not None:
+                self.methods[self.current].deactivate()
+            self.methods[name].activate()
+            self.current = name
+        self.pending_block = self.methods[name].before_step()
+
+    def after_step(self, state):
+        name = self.current
+        blocked = self.pending_block + self.methods[name].after_step(state)
+        now = time.perf_counter()
+        first = (state.iteration - 1) % self.block == 0
+        if self.t_last is not None and not first:
+            self.results[name]["iter_ms"].append(1000 * (now - self.t_last))
+            self.results[name]["blocked_ms"].append(1000 * blocked)
+        self.t_last = now
+
+    def gathered(self) -> dict:
+        """Per iteration the slowest rank's time (the job runs at its pace)."""
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, self.results, group=self.group)
+        out = {}
+        for n in self.names:
+            out[n] = {k: [max(vals) for vals in zip(*(r[n][k] for r in every))]
+                      for k in ("iter_ms", "blocked_ms")}
+        return out
+
+
+def main():
+    argv, own = sys.argv[1:], {"--methods": "none", "--block": "4", "--bench-protect": "none"}
+    for k in own:
+        if k in argv:
+            j = argv.index(k)
+            own[k] = argv[j + 1]
+            del argv[j:j + 2]
+    names, block, protect = own["--methods"].split(","), int(own["--block"]), \
+        own["--bench-protect"]
+    args = parse_args(argv)
+    trainer = Trainer(args)
+    trainer.events = PipelineEvents(torch.distributed.get_rank())
+    trainer.fb_kwargs = pipeline_events.install(trainer.config, trainer.events)
+    group = torch.distributed.new_group(backend="gloo")
+    optimizer_state.ensure_adam_state(trainer.state.optimizer)
+    adapter = MegatronStateAdapter(trainer.state, args)
+    methods, shared = {}, {}
+    for n in names:
+        if n == "none":
+            methods[n] = None_()
+        elif n == "dcp-async":
+            methods[n] = DcpAsync(trainer, group)
+        elif n == "mcore-async":
+            methods[n] = McoreAsync(trainer)
+        else:
+            schedule, prot = n.split("-", 1) if n.startswith("has-") else (n, protect)
+            m = Reft(trainer, adapter, schedule, prot, shared.get(prot))
+            shared.setdefault(prot, m.snap)
+            methods[n] = m
+    rot = Rotation(trainer, methods, block, group)
+    trainer.hooks.append(rot)
+    trainer.train()
+    if rot.current:
+        methods[rot.current].deactivate()
+    sizes = {k: s.nbytes for k, s in shared.items()}
+    results = rot.gathered()
+    if torch.distributed.get_rank() == 0:
+        print("[BENCH] " + json.dumps({"results": results, "snapshot_bytes": sizes}),
+              flush=True)
+    for s in shared.values():
+        s.close(remove=True)
+    for d in (f"/dev/shm/{JOB}-dcp", f"/dev/shm/{JOB}-mcore"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

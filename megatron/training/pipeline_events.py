@@ -1,0 +1,136 @@
+"""The seams through which megatron-core's pipeline schedules report what each stage is
+doing, without a copy of schedules.py (see ../shared/docs/MEGATRON_CPU.md):
+
+* ``ModelParallelConfig.timers``: the schedules call ``config.timers(name).start()/stop()``
+  around every phase (``forward-compute``, ``backward-compute``, ``forward-recv``,
+  ``backward-send-forward-recv``, ...). :class:`PhaseTimers` turns the compute phases
+  into events and remembers which p2p phase is running, to name the wait.
+* ``p2p_communicator=``: :class:`EventP2PCommunicator` overrides the one method every
+  p2p exchange goes through, ``P2PCommunicator._communicate``, and reports the time the
+  stage is blocked in it (a bubble). With ``overlap_p2p_comm`` the exchange only posts
+  requests; their ``wait()`` is wrapped instead, so the real waits are seen either way.
+
+Both report to a :class:`reft_ext.timeline.PipelineEvents`. ``check_seams()`` verifies
+that megatron-core still has the signatures this relies on; tests/test_has.py runs it,
+so an upgrade that moves them fails a test rather than silently losing the bubbles.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from reft_ext.timeline import PipelineEvents
+
+COMPUTE_PHASES = ("forward-compute", "backward-compute")
+_SCHEDULE_GROUPS = ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"]
+
+
+class _PhaseTimer:
+    __slots__ = ("owner", "name")
+
+    def __init__(self, owner: PhaseTimers, name: str):
+        self.owner, self.name = owner, name
+
+    def start(self, barrier: bool = False) -> None:
+        if self.name in COMPUTE_PHASES:
+            self.owner.events.phase_begin(self.name)
+        elif "send" in self.name or "recv" in self.name:
+            self.owner.p2p_phase = self.name
+
+    def stop(self, barrier: bool = False) -> None:
+        if self.name in COMPUTE_PHASES:
+            self.owner.events.phase_end(self.name)
+
+
+class PhaseTimers:
+    """A ``config.timers`` callable: ``timers(name, log_level=None)`` -> start/stop."""
+
+    def __init__(self, events: PipelineEvents):
+        self.events = events
+        self.p2p_phase = "p2p"
+        self._timers: dict[str, _PhaseTimer] = {}
+
+    def __call__(self, name: str, log_level: int | None = None) -> _PhaseTimer:
+        t = self._timers.get(name)
+        if t is None:
+            t = self._timers[name] = _PhaseTimer(self, name)
+        return t
+
+
+class _TimedReq:
+    """A p2p request whose ``wait()`` is reported as a bubble (overlapped p2p)."""
+
+    def __init__(self, req, events: PipelineEvents, name: str):
+        self._req, self._events, self._name = req, events, name
+
+    def wait(self, *args, **kwargs):
+        self._events.wait_begin(self._name)
+        try:
+            return self._req.wait(*args, **kwargs)
+        finally:
+            self._events.wait_end()
+
+    def __getattr__(self, item):
+        return getattr(self._req, item)
+
+
+class EventP2PCommunicator(P2PCommunicator):
+    """megatron-core's communicator, with its waits reported as bubbles."""
+
+    def __init__(self, pp_group, config, events: PipelineEvents, timers: PhaseTimers):
+        super().__init__(pp_group=pp_group, config=config)
+        self.events, self.timers = events, timers
+
+    def _communicate(self, **kwargs):
+        name = self.timers.p2p_phase
+        if not kwargs.get("wait_on_reqs", True):
+            prev, nxt, reqs = super()._communicate(**kwargs)
+            if isinstance(reqs, dict):
+                reqs = {k: _TimedReq(r, self.events, name) for k, r in reqs.items()}
+            elif reqs:
+                reqs = [_TimedReq(r, self.events, name) for r in reqs]
+            return prev, nxt, reqs
+        self.events.wait_begin(name)
+        try:
+            return super()._communicate(**kwargs)
+        finally:
+            self.events.wait_end()
+
+
+def install(config, events: PipelineEvents) -> dict:
+    """Point ``config.timers`` at the events and return the extra keyword arguments for
+    the forward-backward function (a communicator that reports waits), {} without PP."""
+    timers = PhaseTimers(events)
+    config.timers = timers
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return {}
+    comm = EventP2PCommunicator(mpu.get_pipeline_model_parallel_group(), config, events,
+                                timers)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=_SCHEDULE_GROUPS)
+    return {"p2p_communicator": comm, "pg_collection": pgs}
+
+
+def check_seams() -> list[str]:
+    """What this module relies on in megatron-core; returns the problems found."""
+    problems = []
+    params = inspect.signature(P2PCommunicator._communicate).parameters
+    for p in ("tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next",
+              "tensor_shape", "wait_on_reqs"):
+        if p not in params:
+            problems.append(f"P2PCommunicator._communicate lost parameter {p!r}")
+    for fn in (schedules.forward_backward_pipelining_without_interleaving,
+               schedules.forward_backward_pipelining_with_interleaving):
+        sig = inspect.signature(fn).parameters
+        for p in ("p2p_communicator", "pg_collection"):
+            if p not in sig:
+                problems.append(f"{fn.__name__} no longer takes {p}=")
+    src = inspect.getsource(schedules)
+    for phase in COMPUTE_PHASES:
+        if f"config.timers('{phase}'" not in src:
+            problems.append(f"schedules.py no longer times {phase!r} through config.timers")
+    return problems
