@@ -38,7 +38,7 @@ BASELINES = ["none", "end-of-iteration", "host-thread", "dcp-async", "mcore-asyn
 CASES = {
     "pp2": dict(nproc=2, layout=["--pipeline-model-parallel-size", "2",
                                  "--global-batch-size", "2"],
-                protect="none", methods=BASELINES + ["has-none"]),
+                protect="none", methods=BASELINES + ["has-none", "has-none-concurrent"]),
     "dp2": dict(nproc=2, layout=["--use-distributed-optimizer", "--global-batch-size", "2"],
                 protect="arc", methods=BASELINES + ["has-none", "has-arc", "has-aec"]),
     "pp2dp2": dict(nproc=4, layout=["--pipeline-model-parallel-size", "2",

@@ -8,7 +8,8 @@ Methods (``--methods``, comma-separated):
   host-thread        REFT snapshot copied at once by a background thread
   dcp-async          torch.distributed.checkpoint.async_save into /dev/shm
   mcore-async        megatron-core dist_checkpointing async save into /dev/shm
-  has-none|has-arc|has-aec   REFT HAS with that protection
+  has-none|has-arc|has-aec   REFT HAS with that protection (tier 2 as --reft-has-tier2 auto)
+  has-none-concurrent        ... with tier 2 forced beside compute
 
 Each block's first iteration absorbs the hand-over from the previous method and is not
 measured. Per method, one JSON line ``[BENCH] {...}`` on rank 0: iteration times (the
@@ -17,6 +18,7 @@ slowest rank's, per iteration) and blocking times per snapshot.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -35,24 +37,29 @@ from megatron.training.reft_hooks import MegatronStateAdapter  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 from reft_ext.config import ReftConfig  # noqa: E402
 from reft_ext.snapshot import ReftSnapshotter  # noqa: E402
-from reft_ext.timeline import PipelineEvents  # noqa: E402
+from reft_ext.timeline import PipelineEvents, StepProfile  # noqa: E402
 
 JOB = f"bench{os.getpid() if 'TORCHELASTIC_RUN_ID' not in os.environ else ''}" \
       f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}"[:40]
 
 
 class Reft:
-    def __init__(self, trainer, adapter, schedule, protect, shared=None):
+    def __init__(self, trainer, adapter, schedule, protect, shared=None, concurrent=None):
         # one snapshotter per protection, shared by the schedules (it is built with the
         # HAS thread, which activate() hands the copies to or not)
         self.snap = shared or ReftSnapshotter(
             ReftConfig(snapshot_every=1, protect=protect, ranks_per_node=1, schedule="has",
                        job_id=f"{JOB}-{protect}"), adapter, trainer.events)
-        self.schedule = schedule
+        self.schedule, self.concurrent = schedule, concurrent
+        self.auto = self.snap.concurrent_tier2
 
     def activate(self):
         s = self.snap
         s.cfg.schedule = self.schedule
+        s.concurrent_tier2 = self.auto if not self.concurrent else True
+        # the bubble profile must describe this schedule's steps, not the last method's
+        # (a blocking copy on one stage shows up as long waits on the other)
+        s.events.profile = StepProfile()
         if s.worker is not None:  # the HAS thread listens to bubbles only under has
             if self.schedule == "has" and s.worker not in s.events.listeners:
                 s.events.listeners.append(s.worker)
@@ -121,7 +128,7 @@ class McoreAsync:
     def __init__(self, trainer):
         from megatron.training.checkpointing import Checkpointer
 
-        args = trainer.args
+        args = copy.copy(trainer.args)  # the trainer itself saves nothing
         args.save, args.async_save = f"/dev/shm/{JOB}-mcore", True
         self.ckpt = Checkpointer(args)
 
@@ -228,7 +235,9 @@ def main():
             methods[n] = McoreAsync(trainer)
         else:
             schedule, prot = n.split("-", 1) if n.startswith("has-") else (n, protect)
-            m = Reft(trainer, adapter, schedule, prot, shared.get(prot))
+            concurrent = prot.endswith("-concurrent")  # has-X-concurrent: tier 2 beside compute
+            prot = prot.removesuffix("-concurrent")
+            m = Reft(trainer, adapter, schedule, prot, shared.get(prot), concurrent)
             shared.setdefault(prot, m.snap)
             methods[n] = m
     rot = Rotation(trainer, methods, block, group)

@@ -52,6 +52,11 @@ class ReftConfig:
              "chunks beside compute, finished before the next optimizer step) | "
              "end-of-iteration (blocking copy after the step) | host-thread (a background "
              "thread copies the whole snapshot at once)"))
+    has_tier2: str = field(default="auto", metadata=dict(
+        help="where HAS copies what the bubbles cannot hold: concurrent (beside compute, "
+             "in small chunks: a GPU side stream, or spare CPU cores) | deferred (at the "
+             "drain before the optimizer step) | auto (concurrent on GPU or when the node "
+             "has more CPU cores than its ranks' compute threads, else deferred)"))
     trace_file: str = field(default="", metadata=dict(
         help="write a Chrome trace (JSON; opens in Perfetto) of every rank's schedule, "
              "bubbles and snapshot chunks to this path"))
@@ -72,6 +77,9 @@ class ReftConfig:
             raise ReftConfigError("--reft-protect: 'none' cannot be combined with "
                                   f"{[p for p in parts if p != 'none']}")
         self.protect = ",".join(parts)
+        if self.has_tier2 not in ("auto", "concurrent", "deferred"):
+            raise ReftConfigError(f"--reft-has-tier2: unknown value {self.has_tier2!r}; "
+                                  f"choose from auto, concurrent, deferred")
         if self.schedule not in SCHEDULES:
             raise ReftConfigError(f"--reft-schedule: unknown schedule {self.schedule!r}; "
                                   f"choose from {', '.join(SCHEDULES)}")

@@ -6,6 +6,7 @@ training loop.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable, Protocol
 
@@ -14,6 +15,7 @@ import torch
 from reft_ext.bubbles import bubble_time, snapshot_time, tier_split
 from reft_ext.checksum import CHUNK, checksum, chunk_digest, combine
 from reft_ext.checksum import DEFAULT as CHECKSUM
+from reft_ext import _native
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy_engine import CopyEngine
 from reft_ext.layout import StateLayout
@@ -45,14 +47,19 @@ def reft_print(msg: str) -> None:
     print(f"[REFT] {msg}", flush=True)
 
 
-def _copy_bandwidth(nbytes: int = 32 << 20) -> float:
-    """A first guess of BW_io (bytes/s) for T_snapshot; later snapshots measure it."""
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    dst.copy_(src)
-    t0 = time.perf_counter()
-    dst.copy_(src)
-    chunk_digest(dst)
-    return nbytes / max(time.perf_counter() - t0, 1e-6)
+
+
+def _concurrent_tier2(cfg: ReftConfig, layout: StateLayout, local_ranks: int) -> bool:
+    """Can a copy run beside compute without taking the compute's place? A device-to-host
+    copy can (copy engines); on a CPU only when the node has cores the ranks' compute
+    threads leave idle. Otherwise a chunk copied "beside" compute just delays it, and on
+    an early pipeline stage delays every later stage too: better at the drain."""
+    if cfg.has_tier2 != "auto":
+        return cfg.has_tier2 == "concurrent"
+    tensors = layout.replicated.tensors + layout.owned.tensors
+    if any(t.device.type != "cpu" for t in tensors):
+        return True
+    return _native.num_cpus() > local_ranks * torch.get_num_threads()
 
 
 class ReftSnapshotter:
@@ -82,7 +89,12 @@ class ReftSnapshotter:
         self.pipeline = getattr(adapter, "pipeline", (1, 1, 1))  # (pp, vpp, micro-batches)
         self.pending: Batch | None = None
         self.last: dict = {}
-        self.bandwidth = _copy_bandwidth()
+        # BW_io of Algorithm 1, bytes/s, as measured by the last snapshots (None before
+        # the first: it then waits for the bubbles and the step, never competing)
+        self.bandwidth: float | None = None
+        self._bw: list[float] = []
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # sharing these cores
+        self.concurrent_tier2 = _concurrent_tier2(cfg, self.layout, local_ranks)
         self.worker = None
         if cfg.enabled and cfg.schedule != "end-of-iteration":
             self.worker = HasWorker(self.events.trace)
@@ -176,19 +188,27 @@ class ReftSnapshotter:
         batch.busy_s = time.perf_counter() - t0
 
     def _plan_tiers(self, batch: Batch) -> None:
-        """Algorithm 1 with measured inputs: the first bytes that fit into the bubbles
-        (online profile of recent steps, else the 1F1B formula) are tier 1."""
-        t_snap = snapshot_time(self.nbytes, self.bandwidth)
-        t_bubble = self.events.profile.bubble()
-        if t_bubble is None:
-            compute, (pp, vpp, m) = self.events.profile.compute(), self.pipeline
-            t_bubble = bubble_time(pp, compute / m, vpp) if compute else 0.0
+        """Algorithm 1 with measured inputs. T_bubble is the larger of the 1F1B formula
+        (P-1) * t_fb, t_fb measured from this stage's compute phases, and the profile of
+        the p2p waits of recent steps: the waits see the warm-up/steady-state bubbles
+        (and any imbalance), the formula also counts the cool-down idle of the later
+        stages, which falls after their last backward, where the drain copies."""
+        t_snap = snapshot_time(self.nbytes, self.bandwidth) if self.bandwidth else float("inf")
+        prof = self.events.profile
+        compute, (pp, vpp, m) = prof.compute(), self.pipeline
+        formula = bubble_time(pp, compute / m, vpp) if compute else 0.0
+        t_bubble = max(formula, prof.bubble() or 0.0)
         if self.cfg.schedule == "host-thread":
             t_bubble = 0.0
         split = tier_split(self.nbytes, t_snap, t_bubble)
+        if self.bandwidth is None and t_bubble > 0:  # first snapshot: bubbles only
+            split = tier_split(self.nbytes, 0.0, t_bubble)
         batch.split, seen = split, 0
+        host_thread = self.cfg.schedule == "host-thread"  # copies at once, everything
         for u in batch.units:
-            u.tier = TIER1 if seen < split.bubble_bytes else TIER2
+            # deferred tier 2 waits, like tier 1, for a bubble or the drain
+            bubble = seen < split.bubble_bytes or not self.concurrent_tier2
+            u.tier = TIER2 if host_thread or not bubble else TIER1
             seen += u.nbytes
 
     def _finish(self, wait_s: float | None) -> None:
@@ -199,7 +219,8 @@ class ReftSnapshotter:
             sums[region] = combine([d[i] for i in range(len(d))], algo) if n else \
                 checksum(b"", algo)
         if batch.busy_s > 0 and self.nbytes >= CHUNK:  # bytes/s of the copy + hash itself
-            self.bandwidth = 0.5 * self.bandwidth + 0.5 * self.nbytes / batch.busy_s
+            self._bw = [*self._bw[-2:], self.nbytes / batch.busy_s]
+            self.bandwidth = sorted(self._bw)[len(self._bw) // 2]
         manifest = {
             "iteration": batch.iteration, "rank": self.a.rank, "member": self.member,
             "dp_ranks": self.a.dp_ranks, "world_size": self.a.world_size,
