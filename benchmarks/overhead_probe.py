@@ -10,6 +10,7 @@ Methods (``--methods``, comma-separated):
   mcore-async        megatron-core dist_checkpointing async save into /dev/shm
   has-none|has-arc|has-aec   REFT HAS with that protection (tier 2 as --reft-has-tier2 auto)
   has-none-concurrent        ... with tier 2 forced beside compute
+  has-aor|has-arc+aor        REFT HAS with AOR (a host replica of the peer's ZeRO-1 shard)
 
 Each block's first iteration absorbs the hand-over from the previous method and is not
 measured. Per method, one JSON line ``[BENCH] {...}`` on rank 0: iteration times (the
@@ -65,6 +66,8 @@ class Reft:
                 s.events.listeners.append(s.worker)
             if self.schedule != "has" and s.worker in s.events.listeners:
                 s.events.listeners.remove(s.worker)
+        if s.aor is not None:  # AOR ships steps only while its method runs
+            s.aor.initialize()
         saved = s.worker
         if self.schedule == "end-of-iteration":
             s.worker = None
@@ -72,6 +75,8 @@ class Reft:
 
     def deactivate(self):
         self.snap.flush()
+        if self.snap.aor is not None:
+            self.snap.aor.pause()
         if self._worker is not None:
             self.snap.worker = self._worker
 
@@ -236,7 +241,7 @@ def main():
         else:
             schedule, prot = n.split("-", 1) if n.startswith("has-") else (n, protect)
             concurrent = prot.endswith("-concurrent")  # has-X-concurrent: tier 2 beside compute
-            prot = prot.removesuffix("-concurrent")
+            prot = prot.removesuffix("-concurrent").replace("+", ",")  # has-arc+aor
             m = Reft(trainer, adapter, schedule, prot, shared.get(prot), concurrent)
             shared.setdefault(prot, m.snap)
             methods[n] = m

@@ -200,6 +200,14 @@ class AORTransport:
                 "replica": mine[1], "expected": expected, "valid": self.replica.valid,
                 "step": self.replica.step_count()}
 
+    def pause(self) -> None:
+        """Stop shipping steps (the replica goes stale: :meth:`initialize` again to resume).
+        The overhead benchmark uses it to give other methods the same processes."""
+        self.wait()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
     def traffic_per_step(self) -> int:
         """Bytes this rank sends per optimizer step (one message to its holder)."""
         return self.owner.spec.message_nbytes

@@ -57,11 +57,17 @@ class ReftConfig:
              "in small chunks: a GPU side stream, or spare CPU cores) | deferred (at the "
              "drain before the optimizer step) | auto (concurrent on GPU or when the node "
              "has more CPU cores than its ranks' compute threads, else deferred)"))
+    aor_verify_every: int = field(default=100, metadata=dict(
+        help="with aor: every N iterations compare each host replica's checksum with its "
+             "owner's optimizer shard; a mismatch is logged and disables recovery from "
+             "that replica (0 = never)"))
     trace_file: str = field(default="", metadata=dict(
         help="write a Chrome trace (JSON; opens in Perfetto) of every rank's schedule, "
              "bubbles and snapshot chunks to this path"))
 
     def __post_init__(self):
+        if self.aor_verify_every < 0:
+            raise ReftConfigError("--reft-aor-verify-every: must be >= 0")
         if self.snapshot_every < 0:
             raise ReftConfigError(f"--reft-snapshot-every: must be >= 0, got "
                                   f"{self.snapshot_every}")
@@ -98,6 +104,10 @@ class ReftConfig:
         return self.snapshot_every > 0
 
     @property
+    def aor(self) -> bool:
+        return "aor" in self.protect.split(",")
+
+    @property
     def redundancy(self) -> str:
         """The parameter-state scheme: none, arc or aec."""
         for p in self.protect.split(","):
@@ -114,17 +124,17 @@ class ReftConfig:
         if world_size % self.ranks_per_node:
             raise ReftConfigError(f"--reft-ranks-per-node: world size {world_size} is not a "
                                   f"multiple of {self.ranks_per_node}")
-        if self.redundancy == "none" or not self.enabled:
+        if (self.redundancy == "none" and not self.aor) or not self.enabled:
             return
         for group in dp_groups:
             if len(group) < 2:
                 raise ReftConfigError(
-                    f"--reft-protect {self.redundancy}: needs data-parallel size >= 2 (the "
+                    f"--reft-protect {self.protect}: needs data-parallel size >= 2 (the "
                     f"sharding group {group} has one member); use --reft-protect none")
             nodes = [self.node_of(r) for r in group]
             if len(set(nodes)) != len(nodes):
                 raise ReftConfigError(
-                    f"--reft-protect {self.redundancy}: sharding group (ranks {group}) has two "
+                    f"--reft-protect {self.protect}: sharding group (ranks {group}) has two "
                     f"members in one failure domain (nodes {nodes}, --reft-ranks-per-node "
                     f"{self.ranks_per_node}); a node loss would take both. Lower "
                     f"--reft-ranks-per-node or change the layout")

@@ -167,12 +167,16 @@ class AEC(Protection):
             xor_encode(srcs, out[k * S:(k + 1) * S])
 
 
-def snapshot_regions(layout: StateLayout, protection: Protection) -> dict[str, list[int]]:
+def snapshot_regions(layout: StateLayout, protection: Protection,
+                     aor_bytes: int = 0) -> dict[str, list[int]]:
     """[offset, length] of each region of a rank's snapshot slot: its own slice, its
-    redundancy block, its owned (ZeRO-1) state. Real snapshots and the planner size
-    host memory with this one function."""
-    own, red = layout.slice_bytes, protection.redundancy_bytes(layout)
-    return {"own": [0, own], "redundancy": [own, red], "owned": [own + red, layout.owned.nbytes]}
+    redundancy block, its owned (ZeRO-1) state and, with AOR, the host replica of a
+    peer's owned state. Real snapshots and the planner size host memory with this one
+    function."""
+    own, red, owned = layout.slice_bytes, protection.redundancy_bytes(layout), \
+        layout.owned.nbytes
+    return {"own": [0, own], "redundancy": [own, red], "owned": [own + red, owned],
+            "aor": [own + red + owned, aor_bytes]}
 
 
 def make_protection(name: str, group_size: int) -> Protection:

@@ -39,12 +39,17 @@ def _inventory(s: ReftSnapshotter, verify_all: bool, manifests: dict) -> dict:
         usable = (m.get("layout") == sig and m.get("nbytes") == s.nbytes and
                   m.get("protection") == s.protection.name)
         flags = {}
-        for region in ("own", "redundancy", "owned"):
-            lazy = not verify_all and (i > 0 or (region == "redundancy" and
-                                                 s.protection.name != "arc"))
+        aor = m.get("aor") or {}
+        for region in ("own", "redundancy", "owned", "aor"):
+            if region == "aor" and not (aor.get("valid") and region in m.get("regions", {})):
+                flags[region] = False  # no AOR, or a replica that failed verification
+                continue
+            lazy = not verify_all and (i > 0 or region == "aor" or (
+                region == "redundancy" and s.protection.name != "arc"))
             flags[region] = None if (usable and lazy) else \
                 (usable and s.store.verify(slot, m, region))
-        out.setdefault(int(m["iteration"]), {"slot": slot, "ok": flags})
+        out.setdefault(int(m["iteration"]), {"slot": slot, "ok": flags,
+                                             "aor_owner": aor.get("owner")})
     return out
 
 
@@ -58,6 +63,20 @@ def _needs_full_verify(inventories: list[dict], it, plans) -> bool:
     older_slot = any(inv.get(it) is not None and inv[it]["ok"]["own"] is None
                      for inv in inventories)
     return rebuilt or older_slot
+
+
+def owned_source(inventories: list[dict], ranks: list[int], r: int, it: int):
+    """Where rank r's owned (ZeRO-1) state of iteration ``it`` comes from: r itself, the
+    AOR holder (member d-1 keeps member d's replica) or None."""
+    def ok(rank, region):
+        return inventories[rank].get(it, {}).get("ok", {}).get(region, False)
+
+    if ok(r, "owned"):
+        return r
+    h = ranks[(ranks.index(r) - 1) % len(ranks)]
+    if ok(h, "aor") and inventories[h][it].get("aor_owner") == r:
+        return h
+    return None
 
 
 def plan_recovery(s: ReftSnapshotter, inventories: list[dict], persistent: int | None):
@@ -79,11 +98,11 @@ def plan_recovery(s: ReftSnapshotter, inventories: list[dict], persistent: int |
                        f"--reft-protect {s.protection.name} can rebuild")
                 break
             if owned_needed:
-                lost = [r for r in ranks
-                        if not inventories[r].get(it, {}).get("ok", {}).get("owned", False)]
+                lost = [r for r in ranks if owned_source(inventories, ranks, r, it) is None]
                 if lost:
-                    why = (f"ranks {lost} lost their ZeRO-1 optimizer shards (no host "
-                           f"replica without --reft-protect aor)")
+                    why = (f"ranks {lost} lost their ZeRO-1 optimizer shards " + (
+                        "and their holders' AOR replicas" if s.aor is not None else
+                        "(no host replica without --reft-protect aor)"))
                     break
             plans[gi] = plan
         if why is None:
@@ -188,9 +207,9 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
         meta = manifest["meta"] if plan[s.member] == OWN else obj[0]
     else:
         meta = manifest["meta"]
+    aor_from = None
     if lay.owned.nbytes:
-        off, n = s.regions["owned"]
-        lay.owned.write(0, data[off:off + n])
+        aor_from = _restore_owned(s, inventories, it, data)
     a.set_meta(from_jsonable(meta))
     t_end = time.perf_counter()
     ms = 1000 * (t_end - t0)
@@ -201,7 +220,34 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
     stats = torch.tensor([ms], dtype=torch.float64)
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=a.control_group)
     lost = sum(1 for d in sources if d != OWN)
-    reft_print(f"recovered iteration {it} on rank {a.rank} from {how[plan[s.member]]} "
+    shard = "" if aor_from is None else \
+        f", optimizer shard from the AOR replica on rank {aor_from}"
+    reft_print(f"recovered iteration {it} on rank {a.rank} from {how[plan[s.member]]}{shard} "
                f"(group {a.dp_ranks}: {lost} slice(s) rebuilt) in {stats.item():.1f} ms "
                f"[this rank: {split}]")
     return it
+
+
+def _restore_owned(s: ReftSnapshotter, inventories, it, data) -> int | None:
+    """Owned state from this rank's own snapshot, or, for a rank that lost it, from its
+    AOR holder's replica (sent point-to-point within the sharding group). Returns the
+    holder's rank when the replica was used."""
+    a, ranks = s.a, s.a.dp_ranks
+    src = owned_source(inventories, ranks, a.rank, it)
+    if src == a.rank:
+        off, n = s.regions["owned"]
+        s.layout.owned.write(0, data[off:off + n])
+    off, n = s.regions["aor"]
+    got = None
+    for r in ranks:  # same order on every member: at most one exchange per lost rank
+        holder = owned_source(inventories, ranks, r, it)
+        if holder == r:
+            continue
+        if a.rank == holder:
+            torch.distributed.send(data[off:off + n], dst=r, group=a.dp_group)
+        elif a.rank == r:  # the holder's aor region is sized by this rank's shard
+            buf = torch.empty(s.aor.owner.spec.nbytes, dtype=torch.uint8)
+            torch.distributed.recv(buf, src=holder, group=a.dp_group)
+            s.aor.owner.unpack_state(buf)
+            got = holder
+    return got

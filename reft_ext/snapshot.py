@@ -38,6 +38,7 @@ class StateAdapter(Protocol):
     control_group: Any       # world-wide gloo group for agreement
 
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]: ...
+    def torch_optimizers(self) -> list: ...  # (AOR) the torch optimizers of its shard
     def owned_tensors(self) -> list[tuple[str, torch.Tensor]]: ...
     def get_meta(self) -> dict: ...
     def set_meta(self, meta: dict) -> None: ...
@@ -77,10 +78,13 @@ class ReftSnapshotter:
         self.protection = make_protection(cfg.redundancy, self.D)
         self.layout = StateLayout(adapter.replicated_tensors(), adapter.owned_tensors(),
                                   self.D, self.member, self.protection.sub_blocks())
-        self.regions = snapshot_regions(self.layout, self.protection)
-        self.nbytes = sum(n for _, n in self.regions.values())
         self.store = SnapshotStore(cfg.job_id, cfg.node_of(adapter.rank), adapter.rank,
                                    cfg.shm_dir)
+        self.aor = None  # AORTransport: this rank's shard -> its holder, a peer's replica here
+        aor_bytes = self._setup_aor() if cfg.enabled and cfg.aor else 0
+        self.regions = snapshot_regions(self.layout, self.protection, aor_bytes)
+        self.nbytes = sum(n for _, n in self.regions.values())
+        self.aor_checks = [0, 0]  # verifications, mismatches
         self.engine = CopyEngine()
         # test hook: called halfway through a snapshot write (after the own slice)
         self.fault: Callable[[int], None] | None = None
@@ -101,9 +105,38 @@ class ReftSnapshotter:
             if cfg.schedule == "has":
                 self.events.listeners.append(self.worker)
 
+    def _setup_aor(self) -> int:
+        """AOR: a dedicated gloo group per sharding group, the owner's step hook, and the
+        live replica of member (d+1)'s shard in this failure domain's shared memory.
+        Returns the replica's size (the "aor" region of every snapshot)."""
+        from reft_ext.aor_transport import AORTransport, new_aor_group
+
+        group = new_aor_group(self.a.dp_ranks)
+        self.aor = AORTransport(self.a.torch_optimizers(), group,
+                                alloc=lambda n: self.store.buffer("aor", n))
+        specs = [None] * self.D
+        torch.distributed.all_gather_object(specs, self.aor.owner.spec, group=group)
+        self.aor_peer_spec = specs[self.aor.ranks.index(self.aor.owner_rank)]
+        return self.aor_peer_spec.nbytes
+
+    def start(self) -> None:
+        """Before the first step (after any recovery): holders get their owners' shards."""
+        if self.aor is not None:
+            self.aor.initialize()
+
+    def maybe_verify_aor(self, iteration: int) -> None:
+        """--reft-aor-verify-every: replica vs owner checksums (collective per group)."""
+        every = self.cfg.aor_verify_every
+        if self.aor is None or not every or iteration % every:
+            return
+        r = self.aor.verify(iteration)
+        self.aor_checks[0] += 1
+        self.aor_checks[1] += not r["match"]
+
     def _check_memory(self) -> None:
-        """Two slots per rank, for every rank of the node: fail now, not at a SIGBUS."""
-        per_node = 2 * self.nbytes * self.cfg.ranks_per_node
+        """Two slots per rank (and the live AOR replica), for every rank of the node: fail
+        now, not at a SIGBUS."""
+        per_node = (2 * self.nbytes + self.regions["aor"][1]) * self.cfg.ranks_per_node
         limit = self.cfg.host_memory_limit_bytes
         if limit and per_node > limit:
             raise ReftConfigError(
@@ -157,6 +190,7 @@ class ReftSnapshotter:
             "own": lambda dst, lo: lay.replicated.read(start + lo, start + lo + dst.numel(), dst),
             "redundancy": lambda dst, lo: self.protection.encode(lay, dst, lo),
             "owned": lambda dst, lo: lay.owned.read(lo, lo + dst.numel(), dst),
+            "aor": self._copy_aor,
         }
         batch = Batch(units, iteration)
         for region, (off, n) in self.regions.items():
@@ -168,6 +202,10 @@ class ReftSnapshotter:
         batch.slot, batch.t0 = slot, time.perf_counter()
         batch.meta = to_jsonable(self.a.get_meta())
         return batch
+
+    def _copy_aor(self, dst: torch.Tensor, lo: int) -> None:
+        self.aor.wait()  # the replica has applied the step this snapshot is of
+        dst.copy_(self.aor.replica.buffer[lo:lo + dst.numel()])
 
     def _unit(self, batch, fill, dst, lo, region):
         def run() -> int:
@@ -229,6 +267,8 @@ class ReftSnapshotter:
             "regions": {k: [o, n, sums[k]] for k, (o, n) in self.regions.items()},
             "meta": batch.meta,
         }
+        if self.aor is not None:  # whose shard the aor region holds, and can it be trusted
+            manifest["aor"] = {"owner": self.aor.owner_rank, "valid": self.aor.replica.valid}
         self.store.finish(batch.slot, manifest)
         blocked = batch.busy_s if wait_s is None else wait_s
         with self.events.span("snapshot-commit", "snapshot", iteration=batch.iteration):
@@ -244,18 +284,22 @@ class ReftSnapshotter:
                                      group=self.a.control_group)
         if self.a.rank == 0:
             r, how = self.regions, batch.by_how
+            aor = f", aor {r['aor'][1]}" if self.aor is not None else ""
             tiers = "" if wait_s is None else (
                 f", {self.cfg.schedule}: {how['bubble']} B in bubbles, {how['compute']} B "
                 f"beside compute, {how['drain']} B at the step")
             reft_print(f"snapshot iteration {batch.iteration}: {total.item()} bytes on "
                        f"{self.a.world_size} ranks (per rank: own {r['own'][1]}, "
-                       f"{self.protection.name} {r['redundancy'][1]}, owned {r['owned'][1]})"
+                       f"{self.protection.name} {r['redundancy'][1]}, owned {r['owned'][1]}"
+                       f"{aor})"
                        f"{tiers}; training blocked {1000 * stats[0].item():.1f} ms, copy "
                        f"{1000 * stats[1].item():.1f} ms (slowest rank), committed "
                        f"{1000 * (time.perf_counter() - batch.t0):.1f} ms after the step")
 
     def close(self, remove: bool) -> None:
         self.flush()
+        if self.aor is not None:
+            self.aor.close()
         if self.worker is not None:
             self.worker.close()
         self.engine.close()

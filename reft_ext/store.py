@@ -127,6 +127,21 @@ class SnapshotStore:
             seg.resize(nbytes)
         return seg
 
+    def buffer(self, name: str, nbytes: int) -> torch.Tensor:
+        """A named extra segment of this rank in the failure domain (e.g. the live AOR
+        replica), created or attached and grown to ``nbytes``."""
+        seg = self._segs.get(name)
+        fname = f"rank{self.rank}.{name}.bin"
+        if seg is None:
+            if ShmSegment.exists(self.job, fname, base_dir=self.base_dir):
+                seg = ShmSegment.attach(self.job, fname, base_dir=self.base_dir)
+            else:
+                seg = ShmSegment.create(self.job, fname, max(nbytes, 1), base_dir=self.base_dir)
+            self._segs[name] = seg
+        if seg.nbytes < nbytes:
+            seg.resize(nbytes)
+        return seg.tensor(torch.uint8, 0, nbytes)
+
     def finish(self, slot: int, manifest: dict) -> None:
         """The slot is complete on this rank (not yet job-wide)."""
         _write_atomic(self._path(self._name(slot, "json")), json.dumps(manifest))

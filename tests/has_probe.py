@@ -30,8 +30,12 @@ class Check:
         start, end = lay.slice_range(s.member)
         red = torch.empty(s.regions["redundancy"][1], dtype=torch.uint8)
         s.protection.encode(lay, red)
-        return {"own": lay.replicated.checksum(start, end), "redundancy": checksum(red),
-                "owned": lay.owned.checksum(0, lay.owned.nbytes)}
+        out = {"own": lay.replicated.checksum(start, end), "redundancy": checksum(red),
+               "owned": lay.owned.checksum(0, lay.owned.nbytes), "aor": checksum(b"")}
+        if s.aor is not None:
+            s.aor.wait()
+            out["aor"] = checksum(s.aor.replica.buffer)
+        return out
 
     def after_step(self, state):  # runs after ReftHook.after_step handed the copy over
         self.expected[state.iteration] = self._reference()

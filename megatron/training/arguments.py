@@ -10,17 +10,7 @@ import argparse
 import math
 import os
 
-# Llama-2 family as used in the REFT paper (layers, hidden, heads, query groups), plus a
-# tiny model that trains in seconds on a CPU.
-MODEL_PRESETS = {
-    "tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                 ffn_hidden_size=352, seq_length=128),
-    "llama2-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=32),
-    "llama2-2.7b": dict(num_layers=32, hidden_size=2560, num_attention_heads=32),
-    "llama2-6.7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32),
-    "llama2-34b": dict(num_layers=48, hidden_size=8192, num_attention_heads=64,
-                       num_query_groups=8),
-}
+from reft_ext.plan.presets import MODEL_PRESETS  # shared with the planner
 
 
 class ArgumentError(ValueError):
@@ -262,8 +252,13 @@ def _validate_reft(args):
     if cfg.enabled and cfg.redundancy != "none" and args.data_parallel_size < 2:
         _fail("--reft-protect", f"{cfg.redundancy} needs data-parallel size >= 2 (the "
               f"layout has {args.data_parallel_size}); use --reft-protect none")
-    if cfg.enabled and "aor" in cfg.protect.split(","):
-        _fail("--reft-protect", "aor is not available yet")
+    if cfg.enabled and cfg.aor and not args.use_distributed_optimizer:
+        _fail("--reft-protect", "aor protects ZeRO-1 optimizer shards: it needs "
+              "--use-distributed-optimizer (without it the optimizer state is replicated "
+              "and arc/aec already cover it)")
+    if cfg.enabled and cfg.aor and args.data_parallel_size < 2:
+        _fail("--reft-protect", f"aor needs data-parallel size >= 2 (the layout has "
+              f"{args.data_parallel_size})")
     if cfg.enabled and args.world_size % cfg.ranks_per_node:
         _fail("--reft-ranks-per-node", f"world size {args.world_size} is not a multiple of "
               f"{cfg.ranks_per_node}")

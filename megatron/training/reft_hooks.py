@@ -62,6 +62,11 @@ class MegatronStateAdapter:
     def owned_tensors(self):
         return self._split()[1]
 
+    def torch_optimizers(self) -> list:
+        """The torch optimizers inside megatron's (chained) distributed optimizer."""
+        opt = self.state.optimizer
+        return [c.optimizer for c in getattr(opt, "chained_optimizers", [opt])]
+
     def get_meta(self) -> dict:
         return self.state.metadata()
 
@@ -87,7 +92,11 @@ class ReftHook:
     def recover(self, persistent_iteration):
         return recover(self.snap, persistent_iteration)
 
+    def on_start(self, state):
+        self.snap.start()  # AOR: every holder gets its owner's (restored) shard
+
     def after_step(self, state):
+        self.snap.maybe_verify_aor(state.iteration)
         self.snap.maybe_snapshot(state.iteration)
 
     def before_optimizer_step(self, state):
@@ -95,6 +104,13 @@ class ReftHook:
 
     def on_exit(self, state):
         torch.distributed.barrier(group=self.adapter.control_group)
+        self.snap.flush()
+        if self.snap.aor is not None:
+            checks = torch.tensor(self.snap.aor_checks, dtype=torch.int64)
+            torch.distributed.all_reduce(checks, group=self.adapter.control_group)
+            if self.adapter.rank == 0:
+                reft_print(f"aor: {checks[0].item()} replica verifications over "
+                           f"{self.adapter.world_size} ranks, {checks[1].item()} mismatches")
         self.snap.close(remove=not self.cfg.keep_snapshots)
 
     # ---- fault injection (tests) -----------------------------------------------
