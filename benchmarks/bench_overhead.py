@@ -21,17 +21,22 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# ~67 M parameters, 32 tokens per micro-batch: fp32 params + Adam are ~0.8 GB
+# ~46 M parameters (fp32 params + Adam ~0.55 GB), 8 tokens per micro-batch, 2 micro-
+# batches: the GPU-like regime. A small vocabulary keeps the two pipeline stages balanced
+# (the output layer would otherwise make the last stage the bottleneck, leaving it no
+# bubble at all). Adam on one CPU core takes ~8 ns per parameter, a share of the
+# iteration a GPU would not spend, which caps how large the snapshot share can get here.
 MODEL = ["--num-layers", "6", "--hidden-size", "768", "--num-attention-heads", "12",
-         "--num-query-groups", "12", "--ffn-hidden-size", "2048", "--seq-length", "32",
-         "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type",
-         "NullTokenizer", "--vocab-size", "16000", "--micro-batch-size", "1", "--lr", "1e-4",
+         "--num-query-groups", "12", "--ffn-hidden-size", "2048", "--seq-length", "8",
+         "--max-position-embeddings", "8", "--mock-data", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", "2048", "--micro-batch-size", "1", "--lr", "1e-4",
          "--lr-warmup-iters", "2", "--log-interval", "1000", "--eval-iters", "0",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 BASELINES = ["none", "end-of-iteration", "host-thread", "dcp-async", "mcore-async"]
@@ -41,7 +46,7 @@ CASES = {
                 protect="none", methods=BASELINES + ["has-none", "has-none-concurrent"]),
     "dp2": dict(nproc=2, layout=["--use-distributed-optimizer", "--global-batch-size", "2"],
                 protect="arc", methods=BASELINES + ["has-none", "has-arc", "has-aec",
-                                                    "has-arc+aor"]),
+                                                    "has-aor", "has-arc+aor"]),
     "pp2dp2": dict(nproc=4, layout=["--pipeline-model-parallel-size", "2",
                                     "--use-distributed-optimizer", "--global-batch-size", "4"],
                    protect="arc", methods=["none", "end-of-iteration", "host-thread",
@@ -49,7 +54,7 @@ CASES = {
 }
 
 
-def run_case(name: str, cycles: int, block: int) -> dict:
+def run_case(name: str, cycles: int, block: int, timeout: float = 1500) -> dict:
     c = CASES[name]
     iters = cycles * block * len(c["methods"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -57,8 +62,15 @@ def run_case(name: str, cycles: int, block: int) -> dict:
            *MODEL, *c["layout"], "--train-iters", str(iters),
            "--methods", ",".join(c["methods"]), "--block", str(block),
            "--bench-protect", c["protect"]]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    job = f"bench{os.getpid()}{name}"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", BENCH_JOB=job)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    finally:  # snapshots and checkpoints of this case, also after a failed run
+        for entry in os.listdir("/dev/shm"):
+            if job in entry:
+                shutil.rmtree(os.path.join("/dev/shm", entry), ignore_errors=True)
     m = re.search(r"\[BENCH\] (.*)", proc.stdout)
     if proc.returncode or not m:
         sys.exit(f"case {name} failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-3000:]}")

@@ -40,8 +40,9 @@ from reft_ext.config import ReftConfig  # noqa: E402
 from reft_ext.snapshot import ReftSnapshotter  # noqa: E402
 from reft_ext.timeline import PipelineEvents, StepProfile  # noqa: E402
 
-JOB = f"bench{os.getpid() if 'TORCHELASTIC_RUN_ID' not in os.environ else ''}" \
-      f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}"[:40]
+# bench_overhead.py names the job (and removes /dev/shm/*<job>* afterwards, even when a
+# run dies); standalone runs use the rendezvous id
+JOB = os.environ.get("BENCH_JOB") or f"bench{os.environ.get('TORCHELASTIC_RUN_ID', '')}"[:40]
 
 
 class Reft:
@@ -189,6 +190,8 @@ class Rotation:
         if name != self.current:
             if self.current is not None:
                 self.methods[self.current].deactivate()
+            if torch.distributed.get_rank() == 0:
+                print(f"[BENCH-BLOCK] {name} from iteration {state.iteration + 1}", flush=True)
             self.methods[name].activate()
             self.current = name
         self.pending_block = self.methods[name].before_step()

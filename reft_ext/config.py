@@ -61,6 +61,17 @@ class ReftConfig:
         help="with aor: every N iterations compare each host replica's checksum with its "
              "owner's optimizer shard; a mismatch is logged and disables recovery from "
              "that replica (0 = never)"))
+    flush_dir: str = field(default="", metadata=dict(
+        help="save-on-failure: when a worker dies or the job is preempted, the node's "
+             "watcher copies its latest complete snapshots here; REFT-load reads them back "
+             "when they are newer than host memory (default: <--save>/reft-flush when "
+             "--save is set; 'none' = off)"))
+    hang_timeout: float = field(default=0.0, metadata=dict(
+        help="hang detection: the node's watcher SIGKILLs a rank whose heartbeat has not "
+             "moved for this many seconds while computing (twice that while waiting for "
+             "peers), so torchrun restarts the workers and REFT-load restores from memory "
+             "instead of waiting for --distributed-timeout-minutes; armed after the first "
+             "iteration, paused during checkpoint saves and validation (0 = off)"))
     trace_file: str = field(default="", metadata=dict(
         help="write a Chrome trace (JSON; opens in Perfetto) of every rank's schedule, "
              "bubbles and snapshot chunks to this path"))
@@ -89,6 +100,17 @@ class ReftConfig:
         if self.schedule not in SCHEDULES:
             raise ReftConfigError(f"--reft-schedule: unknown schedule {self.schedule!r}; "
                                   f"choose from {', '.join(SCHEDULES)}")
+        if self.hang_timeout < 0 or 0 < self.hang_timeout < 1:
+            # the watcher polls every 0.1 s and a loaded host delays a rank by that much:
+            # a shorter limit would kill healthy ranks
+            raise ReftConfigError(f"--reft-hang-timeout: must be 0 (off) or at least 1 "
+                                  f"second, got {self.hang_timeout:g}")
+        if self.hang_timeout and not self.enabled:
+            raise ReftConfigError("--reft-hang-timeout: needs --reft-snapshot-every >= 1 (the "
+                                  "heartbeats are read by REFT's node watcher)")
+        if self.flush_dir and os.path.isfile(self.flush_dir):
+            raise ReftConfigError(f"--reft-flush-dir: {self.flush_dir!r} is a file, not a "
+                                  f"directory")
         self.host_memory_limit_bytes = parse_bytes(self.host_memory_limit)
         if self.ranks_per_node == 0:
             self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -149,9 +171,16 @@ class ReftConfig:
             if f.type in (bool, "bool"):
                 g.add_argument(flag, action="store_true", help=f.metadata.get("help"))
             else:
-                typ = int if f.type in (int, "int") else str
+                typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", f.type),
+                                                       str)
                 g.add_argument(flag, type=typ, default=default, help=f.metadata.get("help"))
 
     @classmethod
     def from_args(cls, args) -> ReftConfig:
-        return cls(**{f.name: getattr(args, "reft_" + f.name) for f in fields(cls)})
+        cfg = cls(**{f.name: getattr(args, "reft_" + f.name) for f in fields(cls)})
+        save = getattr(args, "save", None)
+        if not cfg.flush_dir and save:  # save-on-failure goes next to the checkpoints
+            cfg.flush_dir = os.path.join(save, "reft-flush")
+        if cfg.flush_dir == "none":
+            cfg.flush_dir = ""
+        return cfg

@@ -172,6 +172,19 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
             break
     t_verify = time.perf_counter()
     if it is None:
+        # snapshots of another world size (an elastic shrink, docs/nodes.md): say so
+        # rather than report them as lost; their slices are cut for the old DP size
+        worlds = {(int(m.get("world_size", a.world_size)), len(m.get("dp_ranks", ())))
+                  for m in manifests.values()}
+        seen = [None] * a.world_size
+        torch.distributed.all_gather_object(seen, sorted(worlds), group=a.control_group)
+        worlds = {x for o in seen for x in o}
+        other = sorted(worlds - {(a.world_size, s.D)})
+        if other and len(worlds) == len(other):  # nothing of this world's layout at all
+            plans = (f"host memory holds snapshots of a job of {other[0][0]} ranks "
+                     f"(data-parallel size {other[0][1]}), this job has {a.world_size} ranks "
+                     f"(data-parallel size {s.D}): REFT-load does not reshard snapshots to "
+                     f"another data-parallel size")
         if a.rank == 0:
             reft_print(f"recovery from host memory not possible: {plans}")
         return None

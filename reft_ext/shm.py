@@ -167,10 +167,16 @@ class ShmSegment:
     def remove_job(job_id: str, *, base_dir: str | None = None) -> None:
         """Deletes every segment of the job and its directory (end of job / tests)."""
         d = job_dir(job_id, base_dir)
+        # the ranks of one node may all get here at once: whoever is first wins
         for n in ShmSegment.list(job_id, base_dir=base_dir):
-            os.unlink(os.path.join(d, n))
-        if os.path.isdir(d):
+            try:
+                os.unlink(os.path.join(d, n))
+            except FileNotFoundError:
+                pass
+        try:
             os.rmdir(d)
+        except (FileNotFoundError, OSError):
+            pass  # gone, or another rank of the node is still removing its files
 
     def close(self) -> None:
         """Unmaps and closes this process's handle; the segment itself stays."""

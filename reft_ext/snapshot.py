@@ -21,6 +21,7 @@ from reft_ext.copy_engine import CopyEngine
 from reft_ext.layout import StateLayout
 from reft_ext.protection import make_protection, snapshot_regions
 from reft_ext.has import TIER1, TIER2, Batch, HasWorker, Unit
+from reft_ext import status as node_status
 from reft_ext.store import SnapshotStore, to_jsonable
 from reft_ext.timeline import PipelineEvents
 
@@ -80,12 +81,21 @@ class ReftSnapshotter:
                                   self.D, self.member, self.protection.sub_blocks())
         self.store = SnapshotStore(cfg.job_id, cfg.node_of(adapter.rank), adapter.rank,
                                    cfg.shm_dir)
+        node, rpn = cfg.node_of(adapter.rank), cfg.ranks_per_node
+        # REFT's state signals (HEALTHY, SNAP, COMPLETED ...), written by the node's first rank
+        self.signals = node_status.NodeSignals(cfg.shm_dir, cfg.job_id, node,
+                                               list(range(node * rpn, (node + 1) * rpn)),
+                                               adapter.rank % rpn == 0)
         self.aor = None  # AORTransport: this rank's shard -> its holder, a peer's replica here
         aor_bytes = self._setup_aor() if cfg.enabled and cfg.aor else 0
         self.regions = snapshot_regions(self.layout, self.protection, aor_bytes)
         self.nbytes = sum(n for _, n in self.regions.values())
         self.aor_checks = [0, 0]  # verifications, mismatches
         self.engine = CopyEngine()
+        # snapshot units: one native thread (a unit is one 4 MiB chunk), CPU sources only
+        cpu = all(t.device.type == "cpu" for t in
+                  self.layout.replicated.tensors + self.layout.owned.tensors)
+        self.unit_engine = CopyEngine(1) if _native.C is not None and cpu else None
         # test hook: called halfway through a snapshot write (after the own slice)
         self.fault: Callable[[int], None] | None = None
         self._check_memory()
@@ -153,13 +163,15 @@ class ReftSnapshotter:
         if not self.cfg.enabled or iteration % self.cfg.snapshot_every:
             return False
         self.flush()
-        batch = self._begin(iteration)
         if self.worker is None:       # end-of-iteration: copy now, training waits
-            self._run_inline(batch)
+            with self.events.span("snapshot-copy", "snapshot", iteration=iteration):
+                self._run_inline(self._begin(iteration))
             self._finish(wait_s=None)
         else:                         # has / host-thread: copy during the next fwd/bwd
-            self._plan_tiers(batch)
-            self.worker.submit(batch)
+            with self.events.span("snapshot-handover", "snapshot", iteration=iteration):
+                batch = self._begin(iteration)
+                self._plan_tiers(batch)
+                self.worker.submit(batch)
         return True
 
     def before_optimizer_step(self) -> None:
@@ -184,12 +196,13 @@ class ReftSnapshotter:
     def _begin(self, iteration: int) -> Batch:
         """Units of work for the state as it is now, metadata captured now."""
         lay, units = self.layout, []
+        self.signals.set(node_status.SNAP, detail=f"snapshot of iteration {iteration}")
         slot, buf = self.store.begin(self.nbytes)
         start = lay.slice_range(self.member)[0]
         fills = {
-            "own": lambda dst, lo: lay.replicated.read(start + lo, start + lo + dst.numel(), dst),
+            "own": lambda dst, lo: self._copy(lay.replicated, start + lo, dst),
             "redundancy": lambda dst, lo: self.protection.encode(lay, dst, lo),
-            "owned": lambda dst, lo: lay.owned.read(lo, lo + dst.numel(), dst),
+            "owned": lambda dst, lo: self._copy(lay.owned, lo, dst),
             "aor": self._copy_aor,
         }
         batch = Batch(units, iteration)
@@ -202,6 +215,20 @@ class ReftSnapshotter:
         batch.slot, batch.t0 = slot, time.perf_counter()
         batch.meta = to_jsonable(self.a.get_meta())
         return batch
+
+    def _copy(self, stream, lo: int, dst: torch.Tensor) -> None:
+        """Stream bytes [lo, lo+len(dst)) into dst: one native copy thread (non-temporal
+        stores) when the extension is built, else torch's copy; padding reads as zeros."""
+        if self.unit_engine is None:
+            stream.read(lo, lo + dst.numel(), dst)
+            return
+        pieces = stream.pieces(lo, lo + dst.numel())
+        if pieces:
+            self.unit_engine.submit([(stream.tensors[p.index], dst, p.src_off, p.dst_off, p.n)
+                                     for p in pieces]).wait()
+        covered = sum(p.n for p in pieces)
+        if covered < dst.numel():
+            dst[covered:].zero_()
 
     def _copy_aor(self, dst: torch.Tensor, lo: int) -> None:
         self.aor.wait()  # the replica has applied the step this snapshot is of
@@ -277,6 +304,7 @@ class ReftSnapshotter:
             total = torch.tensor([self.nbytes], dtype=torch.int64)
             torch.distributed.all_reduce(total, group=self.a.control_group)
             self.store.commit(batch.slot, batch.iteration)
+        self.signals.set(node_status.COMPLETED, batch.iteration)
         self.last = {"iteration": batch.iteration, "blocked_s": blocked, **batch.by_how,
                      "sums": sums}
         stats = torch.tensor([blocked, batch.busy_s], dtype=torch.float64)
@@ -300,6 +328,8 @@ class ReftSnapshotter:
         self.flush()
         if self.aor is not None:
             self.aor.close()
+        if self.unit_engine is not None:
+            self.unit_engine.close()
         if self.worker is not None:
             self.worker.close()
         self.engine.close()

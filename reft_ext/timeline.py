@@ -114,12 +114,18 @@ class PipelineEvents:
         self._open: dict[str, float] = {}
         self._wait_t0: float | None = None
         self._wait_name = ""
+        # hang detection (reft_ext/heartbeat.py): beaten at every event below
+        self.heartbeat = None
 
     # ---- compute / named phases --------------------------------------------------
     def phase_begin(self, name: str) -> None:
         self._open[name] = now_us()
+        if self.heartbeat is not None:
+            self.heartbeat.on_phase(name, True)
 
     def phase_end(self, name: str, cat: str = "compute", **args) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.on_phase(name, False)
         t0 = self._open.pop(name, None)
         if t0 is None:
             return
@@ -145,6 +151,8 @@ class PipelineEvents:
         if self._wait_t0 is not None:  # nested (a wrapped req inside _communicate)
             return
         self._wait_t0, self._wait_name = now_us(), name
+        if self.heartbeat is not None:
+            self.heartbeat.wait()
         for lis in self.listeners:
             lis.wait_begin(name)
 
@@ -153,6 +161,8 @@ class PipelineEvents:
             return
         t0, name = self._wait_t0, self._wait_name
         self._wait_t0 = None
+        if self.heartbeat is not None:
+            self.heartbeat.wait()  # progress; the next compute phase makes it work again
         for lis in self.listeners:
             lis.wait_end(name)
         t1 = now_us()
@@ -163,6 +173,8 @@ class PipelineEvents:
     # ---- steps -------------------------------------------------------------------------
     def step_begin(self, iteration: int) -> None:
         self.iteration, self.in_step = iteration, True
+        if self.heartbeat is not None:
+            self.heartbeat.step()
 
     def step_end(self) -> None:
         if self.in_step:

@@ -131,6 +131,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     from reft_ext.config import ReftConfig
 
     ReftConfig.add_arguments(p)
+    from reft_ext.health_config import HealthConfig
+
+    HealthConfig.add_arguments(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
     return p
@@ -244,11 +247,17 @@ def validate_args(args):
 
 def _validate_reft(args):
     from reft_ext.config import ReftConfig, ReftConfigError
+    from reft_ext.health_config import HealthConfig
 
     try:
         cfg = ReftConfig.from_args(args)
+        health = HealthConfig.from_args(args)
     except ReftConfigError as exc:
         raise ArgumentError(str(exc)) from None
+    nodes = args.world_size // max(1, cfg.ranks_per_node)
+    if health.min_nodes > nodes:
+        _fail("--reft-min-nodes", f"{health.min_nodes} is more than the job's {nodes} "
+              f"node(s) (--reft-ranks-per-node {cfg.ranks_per_node})")
     if cfg.enabled and cfg.redundancy != "none" and args.data_parallel_size < 2:
         _fail("--reft-protect", f"{cfg.redundancy} needs data-parallel size >= 2 (the "
               f"layout has {args.data_parallel_size}); use --reft-protect none")

@@ -82,8 +82,9 @@ def _die_with_parent() -> None:
 
 
 def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_optim=True,
-                       load_rng=True) -> dict:
-    """The dist_checkpointing state dict of the whole training state."""
+                       load_rng=True, saved_dp: int | None = None) -> dict:
+    """The dist_checkpointing state dict of the whole training state. ``saved_dp``: the
+    data-parallel size the checkpoint was saved with, when loading into another one."""
     sd = {"checkpoint_version": CHECKPOINT_VERSION}
     model_sd = {}
     for i, chunk in enumerate(state.model):
@@ -97,26 +98,34 @@ def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_opt
             model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
         sd["adam_steps"] = _per_rank_object("adam_steps",
-                                            optimizer_state.adam_steps(state.optimizer))
+                                            optimizer_state.adam_steps(state.optimizer),
+                                            saved_dp)
     if load_rng:
         # every rank's own generators: exact resume needs them even where DP ranks differ
-        sd["rng_state"] = _per_rank_object("rng_state", state.rng_state())
+        sd["rng_state"] = _per_rank_object("rng_state", state.rng_state(), saved_dp)
     sd["train_state"] = state.counters()
     sd["args"] = {"tensor_model_parallel_size": args.tensor_model_parallel_size,
                   "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                   "num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                  "padded_vocab_size": args.padded_vocab_size}
+                  "padded_vocab_size": args.padded_vocab_size,
+                  "data_parallel_size": args.data_parallel_size}
     return sd
 
 
-def _per_rank_object(key: str, obj) -> ShardedObject:
-    """An object saved and loaded by each rank for itself (same layout required)."""
+def _per_rank_object(key: str, obj, saved_dp: int | None = None) -> ShardedObject:
+    """An object saved and loaded by each rank for itself. Loaded into another
+    data-parallel size (an elastic shrink), data-parallel rank d reads the one of saved
+    rank d mod saved_dp: replicas share the Adam step, and the RNG streams of a new
+    layout cannot match the old ones anyway."""
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    if saved_dp and saved_dp != dp:
+        dp, dp_rank = saved_dp, dp_rank % saved_dp
     return ShardedObject(
         key, obj,
         (mpu.get_pipeline_model_parallel_world_size(),
-         mpu.get_tensor_model_parallel_world_size(), mpu.get_data_parallel_world_size()),
+         mpu.get_tensor_model_parallel_world_size(), dp),
         (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
-         mpu.get_data_parallel_rank()),
+         dp_rank),
         replica_id=0)
 
 
@@ -198,11 +207,19 @@ class Checkpointer:
             raise CheckpointError(f"--load {root}: cannot read {path}/common.pt: "
                                   f"{type(exc).__name__}: {exc}") from exc
         self._check_layout(common.get("args", {}), path)
+        saved_dp = common.get("args", {}).get("data_parallel_size", args.data_parallel_size)
+        if saved_dp != args.data_parallel_size:  # megatron-core reshards params, and the
+            # distributed optimizer's dp_reshardable format, in the DP dimension
+            print_rank_0(f"resharding checkpoint {path} from data-parallel size {saved_dp} "
+                         f"to {args.data_parallel_size}")
         with torch.no_grad():  # upstream bug 2
             sd = sharded_state_dict(state, args, is_loading=True, load_optim=load_optim,
-                                    load_rng=load_rng)
+                                    load_rng=load_rng, saved_dp=saved_dp)
             try:
-                loaded = dist_checkpointing.load(sd, path)
+                # into a smaller DP nobody reads the per-rank objects of the dropped DP
+                # ranks, which the access check would take for a hole in the checkpoint
+                loaded = dist_checkpointing.load(
+                    sd, path, validate_access_integrity=saved_dp == args.data_parallel_size)
             # torch DCP raises CheckpointException, a BaseException
             except (Exception, CheckpointException) as exc:  # noqa: BLE001
                 raise CheckpointError(f"--load {root}: cannot read checkpoint {path}: "

@@ -76,7 +76,12 @@ def parse_fault_specs(text: str, world_size: int | None = None) -> list[FaultSpe
 
 
 def attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """The job's attempt as this rank sees it. A replacement agent started by
+    tools/launch_nodes.py counts its restarts from 0 again: the launcher passes how many
+    agents of that node slot came before (REFT_NODE_GENERATION), so a fault meant for
+    attempt 0 does not fire again on the node that replaced the failed one."""
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) +
+            int(os.environ.get("REFT_NODE_GENERATION", "0")))
 
 
 def maybe_inject_fault(specs, rank: int, iteration: int) -> None:

@@ -12,6 +12,7 @@ from megatron.core import parallel_state as mpu
 from megatron.training import fault_injection, optimizer_state
 from megatron.training.train_state import TrainingState
 from reft_ext.config import ReftConfig
+from reft_ext import status as node_status
 from reft_ext.recovery import recover
 from reft_ext.shm import job_dir
 from reft_ext.snapshot import ReftSnapshotter, reft_print
@@ -88,23 +89,69 @@ class ReftHook:
             self.snap.fault = self._fault_in_snapshot
         fault_injection.NODE_LOSS_CALLBACKS.append(self.wipe_node)
         fault_injection.CORRUPT_CALLBACKS.append(self.corrupt_own_slice)
+        self.heartbeat = None  # --reft-hang-timeout (reft_ext/heartbeat.py), from on_start
 
     def recover(self, persistent_iteration):
+        if self.cfg.flush_dir:  # save-on-failure tier: back into memory when newer
+            from reft_ext.flush import import_flushed
+
+            it = import_flushed(self.snap.store, self.cfg.flush_dir, self.snap.nbytes)
+            if it is not None:
+                reft_print(f"rank {self.adapter.rank}: host memory had nothing newer than "
+                           f"the flushed snapshot of iteration {it} in {self.cfg.flush_dir}: "
+                           f"loaded it into host memory")
+        from reft_ext.reshard import reshard_from_memory
+
+        # after an elastic shrink (docs/nodes.md): the old job's snapshots, resharded
+        it = reshard_from_memory(self.snap, persistent_iteration)
+        if it is not None:
+            return it
         return recover(self.snap, persistent_iteration)
 
     def on_start(self, state):
         self.snap.start()  # AOR: every holder gets its owner's (restored) shard
+        if self.cfg.hang_timeout > 0:  # before the watcher reads it; armed after 1 iteration
+            from reft_ext.heartbeat import Heartbeat
+
+            self.heartbeat = Heartbeat(self.snap.store.dir, self.adapter.rank, state.iteration)
+            self.snap.events.heartbeat = self.heartbeat
+        self._start_watcher()
+        self.snap.signals.set(node_status.HEALTHY,
+                              detail=f"training from iteration {state.iteration}")
+
+    def _start_watcher(self):
+        """Save-on-failure: the node's first rank starts a watcher of the node's workers
+        (its own session, so it outlives them; reft_ext/watcher.py)."""
+        from reft_ext.watcher import spawn
+
+        a, sig = self.adapter, self.snap.signals
+        pids = [None] * a.world_size
+        torch.distributed.all_gather_object(pids, os.getpid(), group=a.control_group)
+        if sig.leader:
+            spawn(self.cfg.shm_dir, self.cfg.job_id, sig.node, [pids[r] for r in sig.ranks],
+                  self.cfg.flush_dir, ranks=sig.ranks, hang_timeout=self.cfg.hang_timeout)
 
     def after_step(self, state):
         self.snap.maybe_verify_aor(state.iteration)
         self.snap.maybe_snapshot(state.iteration)
+        if self.heartbeat is not None:
+            self.heartbeat.iteration_done(state.iteration)
 
     def before_optimizer_step(self, state):
         self.snap.before_optimizer_step()
+        if self.heartbeat is not None:
+            # snapshot committed, the step's collectives not begun: a rank stuck here
+            # waits for no one (this is where --inject-fault R:ITER:STOP freezes a rank)
+            self.heartbeat.work()
 
     def on_exit(self, state):
         torch.distributed.barrier(group=self.adapter.control_group)
         self.snap.flush()
+        # before any worker exits: the watcher must not take the exit for a failure
+        self.snap.signals.set(node_status.FINISHED, detail=f"training ended at iteration "
+                              f"{state.iteration}")
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         if self.snap.aor is not None:
             checks = torch.tensor(self.snap.aor_checks, dtype=torch.int64)
             torch.distributed.all_reduce(checks, group=self.adapter.control_group)

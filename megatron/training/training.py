@@ -7,6 +7,7 @@ objects with optional ``on_start(state)``, ``after_step(state)``, ``on_exit(stat
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -79,6 +80,11 @@ class Trainer:
         self.marks = [("imports", time.time())]
         initialize_megatron(args)
         self.marks.append(("distributed init", time.time()))
+        from megatron.training.reft_health import startup_health_check
+
+        # before any state is built or loaded: a node that fails leaves (or stops) the job
+        if startup_health_check(args):
+            self.marks.append(("health check", time.time()))
         from megatron.training.tokenizer import build_tokenizer
 
         self.tokenizer = build_tokenizer(args)
@@ -234,7 +240,8 @@ class Trainer:
                 self.ckpt.maybe_finalize(blocking=False)
             self.logger.iteration(loss, grad_norm, skipped, time.time() - t0, self.timers)
             if s.iteration % args.eval_interval == 0 and args.eval_iters > 0:
-                self.evaluate()
+                with self._long_phase():
+                    self.evaluate()
             if self._should_stop():
                 break
         self._finish()
@@ -247,9 +254,16 @@ class Trainer:
             prev = t
         return ", ".join(parts)
 
+    def _long_phase(self):
+        """Checkpoint saves and validation beat nowhere and may outlast
+        --reft-hang-timeout: hang detection pauses for them (reft_ext/heartbeat.py)."""
+        hb = self.reft.heartbeat if self.reft is not None else None
+        return hb.paused() if hb is not None else contextlib.nullcontext()
+
     def _save_unless_saved(self) -> None:
         if self.args.save and self.ckpt.latest != self.state.iteration:
-            self.ckpt.save(self.state)
+            with self._long_phase():
+                self.ckpt.save(self.state)
 
     def _should_stop(self) -> bool:
         args, s = self.args, self.state
@@ -265,6 +279,8 @@ class Trainer:
 
     def _finish(self):
         args, s = self.args, self.state
+        if self.reft is not None and self.reft.heartbeat is not None:
+            self.reft.heartbeat.pause()  # the final save and the shutdown: not judged
         self._save_unless_saved()
         if self.ckpt:
             self.ckpt.close()

@@ -1,0 +1,63 @@
+"""The flushed tier: snapshots a node's watcher copied to ``--reft-flush-dir`` when its
+workers died (reft_ext/watcher.py), read back at REFT-load.
+
+It sits between host memory and the persistent checkpoint. Rather than a second recovery
+path, the flushed slots of a rank are put back into its shared-memory store when they are
+newer than what the store holds (a job restarted from scratch, a replaced node): REFT-load
+then treats them exactly as host memory, so the same checksum verification (a torn or
+corrupt file is never loaded), the same job-wide planning (newest iteration every sharding
+group can rebuild wins) and the same comparison with ``--load`` apply.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+from reft_ext.store import SnapshotStore
+
+
+def flushed_manifests(flush_dir: str, rank: int) -> dict[int, dict]:
+    """slot -> manifest of this rank's flushed slots whose data file is whole."""
+    out = {}
+    for p in glob.glob(os.path.join(flush_dir, f"rank{rank}.slot*.json")):
+        m = re.search(r"\.slot(\d+)\.json$", p)
+        try:
+            with open(p) as f:
+                man = json.load(f)
+            if os.path.getsize(p[:-len(".json")] + ".bin") >= man["nbytes"]:
+                out[int(m.group(1))] = man
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | None:
+    """Put this rank's flushed slots into its store when they are newer than what memory
+    holds; returns the newest imported iteration, or None."""
+    if not flush_dir or not os.path.isdir(flush_dir):
+        return None
+    flushed = {s: m for s, m in flushed_manifests(flush_dir, store.rank).items()
+               if m.get("nbytes") == nbytes}
+    if not flushed:
+        return None
+    in_memory = [int(m["iteration"]) for m in store.manifests().values()]
+    newest = max(int(m["iteration"]) for m in flushed.values())
+    if in_memory and max(in_memory) >= newest:
+        return None  # the node's memory survived: it is at least as new
+    for slot in (0, 1):
+        try:  # every manifest goes first: no old manifest may describe new bytes
+            os.unlink(store._path(store._name(slot, "json")))
+        except FileNotFoundError:
+            pass
+    for slot, man in flushed.items():
+        dst = store.data(slot, nbytes)
+        with open(os.path.join(flush_dir, f"rank{store.rank}.slot{slot}.bin"), "rb") as f:
+            f.readinto(memoryview(dst.numpy()))
+        store.finish(slot, man)
+    last = max(flushed, key=lambda s: int(flushed[s]["iteration"]))
+    store.commit(last, int(flushed[last]["iteration"]))
+    return newest
+

@@ -1,0 +1,324 @@
+"""Several torchrun agents on one host, each standing for one node (library and CLI).
+
+Every agent is a real TorchElastic agent with its own process group (``start_new_session``),
+joined through c10d rendezvous on a loopback endpoint, so a node can be killed as a whole
+(SIGKILL of its process group, its shared memory removed) and replaced by a new agent for
+the same slot, exactly as on a cluster. Each agent's ranks are one failure domain:
+LOCAL_WORLD_SIZE = --nproc-per-node makes REFT's ``--reft-ranks-per-node`` default to it,
+and the rendezvous id is TORCHELASTIC_RUN_ID, REFT's job id, on every agent.
+
+Slot i keeps group rank i in every rendezvous round: c10d assigns ranks in the sorted
+order of (address, pid), so each agent gets its own loopback address ``127.0.1.(10+i)``
+(``--local-addr``); a replacement agent (new pid) thus takes over its slot's ranks and its
+slot's shared-memory directory ``<shm>/reft-<job>-node<i>``.
+
+    python tools/launch_nodes.py --nnodes 2 --nproc-per-node 2 --job-id demo -- \\
+        pretrain_llama.py --reft-snapshot-every 1 --reft-protect arc ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # reft_ext (status files) when run as a script
+
+from reft_ext import status as node_status  # noqa: E402
+
+
+class LaunchError(ValueError):
+    """A bad launcher setting (the message names the flag)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchConfig:
+    nnodes: int = field(default=2, metadata=dict(help="node slots (agents) to start"))
+    min_nodes: int = field(default=0, metadata=dict(
+        help="elastic: rendezvous with --nnodes MIN:MAX (0 = fixed size)"))
+    nproc_per_node: int = field(default=1, metadata=dict(help="ranks per agent (node)"))
+    job_id: str = field(default="", metadata=dict(
+        help="rendezvous id = TORCHELASTIC_RUN_ID = REFT job id (default: random)"))
+    port: int = field(default=0, metadata=dict(help="rendezvous port (0 = a free one)"))
+    max_restarts: int = field(default=3, metadata=dict(help="torchrun --max-restarts"))
+    monitor_interval: float = field(default=0.2, metadata=dict(
+        help="seconds between the agents' worker checks (torchrun's default is 0.1-5)"))
+    shm_dir: str = field(default="/dev/shm", metadata=dict(
+        help="where the nodes' REFT shared memory lives (= --reft-shm-dir)"))
+    last_call: int = field(default=3, metadata=dict(
+        help="elastic: seconds the rendezvous waits for more nodes once --min-nodes have "
+             "joined (torchrun's last_call_timeout, 30 by default)"))
+    log_dir: str = field(default="", metadata=dict(
+        help="one log per agent start (default: a new temporary directory)"))
+
+    def __post_init__(self):
+        if self.nnodes < 1 or self.nnodes > 89:
+            raise LaunchError(f"--nnodes: must be 1..89, got {self.nnodes}")
+        if self.min_nodes < 0 or self.min_nodes > self.nnodes:
+            raise LaunchError(f"--min-nodes: must be 0..{self.nnodes}, got {self.min_nodes}")
+        if self.nproc_per_node < 1:
+            raise LaunchError(f"--nproc-per-node: must be >= 1, got {self.nproc_per_node}")
+        if self.last_call < 1:
+            raise LaunchError(f"--last-call: must be >= 1 second, got {self.last_call}")
+        if self.max_restarts < 0:
+            raise LaunchError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
+        if self.job_id and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", self.job_id):
+            raise LaunchError(f"--job-id: letters, digits, '.', '_', '-' only, got "
+                              f"{self.job_id!r}")
+        self.job_id = self.job_id or f"nodes-{uuid.uuid4().hex[:8]}"
+        self.port = self.port or free_port()
+        self.log_dir = self.log_dir or tempfile.mkdtemp(prefix=f"{self.job_id}-logs-")
+        os.makedirs(self.log_dir, exist_ok=True)
+
+
+class NodeLauncher:
+    """start(), kill_node(i), replace_node(i), terminate(), wait(), output(i)."""
+
+    def __init__(self, cfg: LaunchConfig, script_args: list[str], env: dict | None = None,
+                 script: str = "pretrain_llama.py"):
+        self.cfg, self.script_args, self.script = cfg, list(script_args), script
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        self.env.pop("TORCHELASTIC_RESTART_COUNT", None)
+        # workers get a fresh MASTER_ADDR/PORT every round, published by that round's
+        # rank 0: torch's shared agent store would keep a replaced node 0's dead port
+        self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self.env.update(env or {})
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.logs: dict[int, list[str]] = {i: [] for i in range(cfg.nnodes)}
+        self.returncodes: dict[int, list[int]] = {i: [] for i in range(cfg.nnodes)}
+        self.store = None
+
+    @property
+    def job_id(self) -> str:
+        return self.cfg.job_id
+
+    def shm_dir_of(self, node: int) -> str:
+        return os.path.join(self.cfg.shm_dir, f"reft-{self.cfg.job_id}-node{node}")
+
+    def _command(self, node: int) -> list[str]:
+        c = self.cfg
+        nn = f"{c.min_nodes}:{c.nnodes}" if c.min_nodes else str(c.nnodes)
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nn}",
+                f"--node-rank={node}", f"--nproc-per-node={c.nproc_per_node}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{c.port}",
+                f"--rdzv-id={c.job_id}", f"--rdzv-conf={self._rdzv_conf()}",
+                f"--max-restarts={c.max_restarts}",
+                f"--monitor-interval={c.monitor_interval}",
+                f"--local-addr={self.local_addr(node)}",
+                os.path.join(REPO, self.script), *self.script_args]
+
+    def _rdzv_conf(self) -> str:
+        if not self.cfg.min_nodes:
+            return "is_host=false"
+        # elastic: a node that left (its agent stopped by a signal, docs/nodes.md) stays a
+        # participant of the old round until its heartbeats are missing for interval x
+        # attempts (5 s here, torch's default 15 s); the next round then completes
+        # last_call seconds after --min-nodes joined
+        return (f"is_host=false,last_call_timeout={self.cfg.last_call},"
+                f"keep_alive_interval=1,keep_alive_max_attempt=5")
+
+    @staticmethod
+    def local_addr(node: int) -> str:
+        # two digits for every slot: string order = slot order = group rank
+        return f"127.0.1.{10 + node}"
+
+    # ---- life cycle -------------------------------------------------------------
+    def start(self) -> "NodeLauncher":
+        # the rendezvous store lives here, not in an agent: any node may die and its
+        # replacement must still find the job (a dedicated rendezvous host, as etcd is)
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", self.cfg.port, is_master=True, multi_tenant=True,
+                              wait_for_workers=False)
+        for i in range(self.cfg.nnodes):
+            self.start_node(i)
+        return self
+
+    def start_node(self, node: int) -> subprocess.Popen:
+        if node in self.procs and self.procs[node].poll() is None:
+            raise LaunchError(f"node {node}: its agent (pid {self.procs[node].pid}) is running")
+        log = os.path.join(self.cfg.log_dir, f"node{node}.{len(self.logs[node])}.log")
+        self.logs[node].append(log)
+        with open(log, "w") as f:  # the agent keeps its own handle
+            # generation: a fault injected for attempt k fires once job-wide (see
+            # megatron/training/fault_injection.attempt); REFT_MIN_NODES: the workers'
+            # --reft-min-nodes default (torchrun does not tell them MIN)
+            env = dict(self.env, REFT_NODE_SLOT=str(node),
+                       REFT_MIN_NODES=str(self.cfg.min_nodes),
+                       REFT_NODE_GENERATION=str(len(self.logs[node]) - 1))
+            self.procs[node] = subprocess.Popen(
+                self._command(node), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        return self.procs[node]
+
+    def kill_node(self, node: int, wipe: bool = True) -> None:
+        """The node is gone: its agent and workers (one process group) SIGKILLed, its
+        watcher too (a node's processes die with it), its shared memory removed."""
+        p = self.procs.get(node)
+        if p is not None and p.poll() is None:
+            # torchrun starts each worker in a session of its own: killing the agent's
+            # group alone would leave the workers running (or frozen) as orphans
+            workers = _descendants(p.pid)
+            _killpg(p.pid, signal.SIGKILL)
+            for w in workers:
+                _killpg(w, signal.SIGKILL)
+            p.wait()
+            self.returncodes[node].append(p.returncode)
+        node_status.kill_watcher(self.cfg.shm_dir, self.cfg.job_id, node)
+        if wipe:
+            shutil.rmtree(self.shm_dir_of(node), ignore_errors=True)
+        node_status.write(self.cfg.shm_dir, self.cfg.job_id, node, node_status.OFFLINE,
+                          detail="node killed by the launcher")
+
+    def replace_node(self, node: int) -> subprocess.Popen:
+        """A new agent (empty memory if the node was wiped) for the same slot."""
+        return self.start_node(node)
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout: float = 60) -> dict[int, int]:
+        """Preemption: signal every agent (torchrun forwards it to its workers), wait for
+        them and for the nodes' watchers (which flush the snapshots on worker death)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, sig)
+        codes = self.wait(timeout)
+        node_status.wait_watchers(self.cfg.shm_dir, self.cfg.job_id, timeout)
+        return codes
+
+    def wait(self, timeout: float = 300) -> dict[int, int]:
+        """Wait for every running agent; on timeout kill them all and raise."""
+        deadline = time.time() + timeout
+        for node, p in list(self.procs.items()):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                self.close()
+                raise TimeoutError(f"agents still running after {timeout} s; node {node} "
+                                   f"log:\n{self.output(node)[-4000:]}") from None
+            self.returncodes[node].append(p.returncode)
+        return {n: p.returncode for n, p in self.procs.items()}
+
+    def wait_for(self, pattern: str, node: int | None = None, timeout: float = 120) -> str:
+        """Block until a node's output matches ``pattern`` (regex); returns the match."""
+        rx, deadline = re.compile(pattern), time.time() + timeout
+        while time.time() < deadline:
+            for n in ([node] if node is not None else range(self.cfg.nnodes)):
+                m = rx.search(self.output(n))
+                if m:
+                    return m.group(0)
+            time.sleep(0.05)
+        raise TimeoutError(f"no {pattern!r} in the output after {timeout} s:\n"
+                           f"{self.outputs()[-4000:]}")
+
+    def close(self) -> None:
+        """Nothing started here outlives the launcher (agents, workers, watchers)."""
+        for node, p in self.procs.items():
+            if p.poll() is None:
+                workers = _descendants(p.pid)  # own sessions: see kill_node
+                _killpg(p.pid, signal.SIGKILL)
+                for w in workers:
+                    _killpg(w, signal.SIGKILL)
+                p.wait()
+            node_status.kill_watcher(self.cfg.shm_dir, self.cfg.job_id, node)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- output -----------------------------------------------------------------
+    def output(self, node: int) -> str:
+        """Everything node's agents printed, start after start."""
+        parts = []
+        for path in self.logs[node]:
+            with open(path, errors="replace") as f:
+                parts.append(f.read())
+        return "".join(parts)
+
+    def outputs(self) -> str:
+        return "".join(self.output(n) for n in range(self.cfg.nnodes))
+
+    def cleanup_shm(self) -> None:
+        for d in glob.glob(os.path.join(self.cfg.shm_dir, f"reft-{self.cfg.job_id}-node*")):
+            shutil.rmtree(d, ignore_errors=True) if os.path.isdir(d) else os.unlink(d)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of pid (from /proc: ppid links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                usage="%(prog)s [options] -- SCRIPT [SCRIPT ARGS]")
+    for name, f in LaunchConfig.__dataclass_fields__.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=f.default,
+                       help=f.metadata.get("help"))
+    argv = sys.argv[1:] if argv is None else argv
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    opts = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if not rest:
+        p.error("give the training script after '--'")
+    try:
+        cfg = LaunchConfig(**vars(opts))
+    except LaunchError as exc:
+        p.error(str(exc))
+    launcher = NodeLauncher(cfg, rest[1:], script=rest[0])
+    print(f"job {cfg.job_id}: {cfg.nnodes} agents x {cfg.nproc_per_node} ranks, rendezvous "
+          f"127.0.0.1:{cfg.port}, logs in {cfg.log_dir}", flush=True)
+    stop = []
+    # preemption of the launcher = preemption of every node
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    launcher.start()
+    try:
+        while not stop and any(pr.poll() is None for pr in launcher.procs.values()):
+            time.sleep(0.2)
+        codes = launcher.terminate(timeout=120) if stop else launcher.wait(timeout=1e9)
+    finally:
+        launcher.close()
+    for n in range(cfg.nnodes):
+        print(f"node {n}: exit {codes.get(n)}, log {launcher.logs[n][-1]}")
+    return 0 if stop or all(c == 0 for c in codes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

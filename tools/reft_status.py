@@ -1,0 +1,66 @@
+"""Print a REFT job's state table from the nodes' status files (reft_ext/status.py).
+
+    python tools/reft_status.py                  # every job found in /dev/shm
+    python tools/reft_status.py --job JOB [--shm-dir DIR] [--json]
+
+One row per node: its ranks, its state (HEALTHY, SNAP, COMPLETED, UNHEALTHY, OFFLINE,
+FINISHED), the last iteration whose snapshot it completed, how long ago it was updated,
+whether its watcher runs, and the detail of the last transition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from reft_ext import status  # noqa: E402
+
+
+def _ranks(r: list[int]) -> str:
+    if not r:
+        return "-"
+    return f"{r[0]}-{r[-1]}" if len(r) > 2 and r == list(range(r[0], r[-1] + 1)) else \
+        ",".join(map(str, r))
+
+
+def table(shm_dir: str, job: str, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    rows = [("node", "ranks", "state", "iteration", "updated", "watcher", "detail")]
+    for rec in status.read_job(shm_dir, job):
+        it = rec.get("iteration")
+        w = status.watcher_pid(shm_dir, job, rec["node"])
+        rows.append((str(rec["node"]), _ranks(rec.get("ranks", [])), rec["state"],
+                     "-" if it is None else str(it), f"{now - rec['updated']:.1f}s ago",
+                     f"pid {w}" if w else "-", rec.get("detail", "")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = [f"job {job} ({shm_dir})"]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="REFT job state table")
+    p.add_argument("--job", default="", help="job id (TORCHELASTIC_RUN_ID); default: all")
+    p.add_argument("--shm-dir", default="/dev/shm", help="= --reft-shm-dir")
+    p.add_argument("--json", action="store_true", help="the raw records as JSON")
+    a = p.parse_args(argv)
+    if not os.path.isdir(a.shm_dir):
+        p.error(f"--shm-dir: {a.shm_dir!r} is not a directory")
+    jobs = [a.job] if a.job else status.jobs(a.shm_dir)
+    if a.job and not status.read_job(a.shm_dir, a.job):
+        print(f"--job: no status files of job {a.job!r} in {a.shm_dir}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps({j: status.read_job(a.shm_dir, j) for j in jobs}, indent=1))
+    else:
+        print("\n\n".join(table(a.shm_dir, j) for j in jobs) or f"no REFT jobs in {a.shm_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
