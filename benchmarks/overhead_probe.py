@@ -20,9 +20,11 @@ slowest rank's, per iteration) and blocking times per snapshot.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -218,6 +220,7 @@ class Rotation:
 
 
 def main():
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a stuck run
     argv, own = sys.argv[1:], {"--methods": "none", "--block": "4", "--bench-protect": "none"}
     for k in own:
         if k in argv:

@@ -100,8 +100,7 @@ class AORTransport:
         REFT recovery), and again after any recovery that replaced a member."""
         if self._thread is not None:
             self.wait()
-        if self._send_work is not None:
-            self._send_work.wait()
+        self._wait_send()
         self.owner.materialize()
         specs = [None] * self.D
         dist.all_gather_object(specs, self.owner.spec, group=self.group)
@@ -136,8 +135,7 @@ class AORTransport:
     # ---- every optimizer step (main thread, inside optimizer.step) ----------------------
     def _on_step(self, _opt, _args, _kwargs) -> None:
         spec = self.owner.spec
-        if self._send_work is not None:
-            self._send_work.wait()
+        self._wait_send()
         h = 8 * spec.header_len
         self.owner.capture(self._send_buf[:h].view(torch.float64),
                            self._send_buf[h:].view(torch.float32), self.seq_sent)
@@ -150,6 +148,14 @@ class AORTransport:
                           tag=TAG_STEP)
         self._q.put((work, self.seq_recv))
         self.seq_recv += 1
+
+    def _wait_send(self) -> None:
+        # Exactly once per send: a gloo SendWork's wait() consumes one completion of its
+        # buffer, so a second wait() on the same work blocks forever (seen when a paused
+        # transport was initialized again: initialize() and the next step both waited).
+        if self._send_work is not None:
+            self._send_work.wait()
+            self._send_work = None
 
     def _run(self) -> None:
         while True:
@@ -218,9 +224,7 @@ class AORTransport:
             self._q.put(None)
             self._thread.join()
             self._thread = None
-        if self._send_work is not None:
-            self._send_work.wait()
-            self._send_work = None
+        self._wait_send()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

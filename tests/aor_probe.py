@@ -96,6 +96,12 @@ class AORProbe:
             sq = region(self.aor.replica.buffer, self.aor.replica.spec, "exp_avg_sq")
             with self.aor.reading():
                 sq[sq.numel() // 2:sq.numel() // 2 + 1].view(torch.int32).bitwise_xor_(1)
+        if it == int(os.environ.get("AOR_REINIT_AT", "0")):
+            # pause and initialize again mid-run (as the overhead benchmark does between
+            # methods, and recovery does in-process): must neither hang nor diverge
+            self.aor.pause()
+            self.aor.initialize()
+            print(f"[AOR] rank {self.rank} re-initialized after iteration {it}", flush=True)
         if not self.verify_every or it % self.verify_every:
             return
         res = self.aor.verify(it)

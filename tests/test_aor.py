@@ -38,10 +38,12 @@ def _tiny():
     return out
 
 
-def run_probe(layout: list, perturb: str = "", iters: int = ITERS, clip: float = 0.8):
+def run_probe(layout: list, perturb: str = "", iters: int = ITERS, clip: float = 0.8,
+              reinit_at: int = 0):
     run = torchrun(4, _tiny() + AOR_ARGS + ["--train-iters", str(iters), "--clip-grad",
                                             str(clip)] + layout,
-                   script="tests/aor_probe.py", env={"AOR_PERTURB": perturb},
+                   script="tests/aor_probe.py",
+                   env={"AOR_PERTURB": perturb, "AOR_REINIT_AT": str(reinit_at)},
                    timeout=180).check()
     rows = {}
     for m in SUMMARY.finditer(run.output):
@@ -87,9 +89,11 @@ def test_pp2dp2_bf16_replicas_bit_identical_and_lr_change_detected():
 
 
 def test_tp2dp2_bf16_replicas_bit_identical():
-    """TP splits the shards further and the grad norm spans the TP group too."""
+    """TP splits the shards further and the grad norm spans the TP group too. Halfway the
+    transports are paused and initialized again (a gloo send waited twice used to hang)."""
     run, rows = run_probe(["--tensor-model-parallel-size", "2", "--bf16"], iters=40,
-                          clip=1.0)
+                          clip=1.0, reinit_at=20)
+    assert run.output.count("re-initialized after iteration 20") == 4
     check(run, rows, iters=40)
 
 

@@ -20,9 +20,11 @@ LAYOUTS = {
 HOLDER = {"pp2dp2-zero1": {2: 3, 1: 0}, "dp4-zero1": {2: 1, 1: 0}}
 
 
-@pytest.mark.parametrize("layout,protect", [("pp2dp2-zero1", "arc,aor"),
-                                            ("pp2dp2-zero1", "aec,aor"),
-                                            ("dp4-zero1", "arc,aor"), ("dp4-zero1", "aec,aor")])
+@pytest.mark.parametrize("layout,protect", [
+    ("pp2dp2-zero1", "arc,aor"),
+    pytest.param("pp2dp2-zero1", "aec,aor", marks=pytest.mark.slow),
+    pytest.param("dp4-zero1", "arc,aor", marks=pytest.mark.slow),
+    pytest.param("dp4-zero1", "aec,aor", marks=pytest.mark.slow)])
 def test_lost_nodes_restore_optimizer_shards_from_aor(layout, protect, reference_runs):
     ref = reference_runs(layout, 4, TINY + N + LAYOUTS[layout])
     run = torchrun(4, TINY + N + LAYOUTS[layout] + [

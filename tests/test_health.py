@@ -202,7 +202,9 @@ GBS12 = ["--global-batch-size", "12", "--train-iters", "8"]
 REFT = ["--reft-snapshot-every", "1", "--reft-protect", "arc"]
 
 
-@pytest.mark.parametrize("zero1", [False, True], ids=["memory", "persistent"])
+@pytest.mark.parametrize("zero1", [
+    pytest.param(False, id="memory"),
+    pytest.param(True, id="persistent", marks=pytest.mark.slow)])
 def test_elastic_shrink_after_a_crash(zero1, tmp_path, reference_runs):
     """3 nodes x 1 rank (DP 3), --min-nodes 2. Rank 0 crashes at iteration 5; on the
     restart node 1 fails its matmul check: it is named, marked UNHEALTHY and leaves; nodes

@@ -23,7 +23,8 @@ def reft(protect):
     return ["--reft-snapshot-every", "1", "--reft-protect", protect]
 
 
-@pytest.mark.parametrize("protect,layout", [("arc", TP2DP2), ("aec,aor", ZERO1)])
+@pytest.mark.parametrize("protect,layout", [
+    ("arc", TP2DP2), pytest.param("aec,aor", ZERO1, marks=pytest.mark.slow)])
 def test_node_loss_and_replacement(protect, layout, tmp_path, reference_runs):
     """Node 1 (ranks 2, 3) is lost at iteration 4 and replaced: its slices come back from
     its peers' redundancy (and its ZeRO-1 shards from their AOR replicas)."""
@@ -46,6 +47,7 @@ def test_node_loss_and_replacement(protect, layout, tmp_path, reference_runs):
     _same_as_reference(run, ref, 4)
 
 
+@pytest.mark.slow
 def test_two_node_losses_in_one_group_fall_back_to_persistent(tmp_path, reference_runs):
     """Nodes 0 and 1 (the whole sharding group [0, 1]) are lost together at iteration 5:
     arc cannot rebuild two slices of one group, the log says so, and the job resumes from

@@ -10,7 +10,9 @@ from conftest import LAYOUTS, TINY, torchrun
 ITERS = ["--train-iters", "6"]
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [
+    pytest.param(k, marks=pytest.mark.slow) if k in ("tp2pp2", "pp2-interleaved") else k
+    for k in sorted(LAYOUTS)])
 def test_two_runs_bit_identical(layout, reference_runs):
     args = TINY + ITERS + LAYOUTS[layout]
     first = reference_runs(layout, 4, args)

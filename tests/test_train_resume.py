@@ -23,8 +23,8 @@ def _half_and_half(layout, tmp_path, extra_first=()):
     return first, second
 
 
-@pytest.mark.parametrize("layout,extra", [("pp2dp2-zero1", ()),
-                                          ("tp2pp2", ("--async-save",))])
+@pytest.mark.parametrize("layout,extra", [
+    ("pp2dp2-zero1", ()), pytest.param("tp2pp2", ("--async-save",), marks=pytest.mark.slow)])
 def test_resume_bit_exact(layout, extra, tmp_path, reference_runs):
     ref = reference_runs(layout, 4, TINY + ITERS + LAYOUTS[layout])
     _, second = _half_and_half(layout, tmp_path, extra)
