@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# One node's part of a REFT training job, started once per node by srun (reft_job.sh):
+#
+#   launch_node.sh [TRAINER ARGS...]   this node's torchrun agent; returns its exit status
+#                                      after REFT's node watcher is done
+#   launch_node.sh --cleanup           remove the job's REFT shared memory on this node
+#
+# Reads the job-wide settings that reft_job_setup exported (REPO, RDZV_HOST, RDZV_PORT,
+# NNODES_MIN, NNODES_MAX, NPROC_PER_NODE, MAX_RESTARTS, LOG_DIR, PYTHON, RDZV_CONF) and
+# Slurm's per-task variables (SLURM_JOB_ID, SLURM_NODEID, SLURMD_NODENAME).
+#
+# Ranks: with the c10d rendezvous torchrun ignores --node-rank. Agents are ordered by
+# (address, pid), so a node's ranks follow its --local-addr (its Slurm node name), and
+# REFT's failure domain of a rank is rank // NPROC_PER_NODE (--reft-ranks-per-node
+# defaults to torchrun's LOCAL_WORLD_SIZE = NPROC_PER_NODE).
+set -uo pipefail  # no -e: torchrun's status is collected, and the watcher waited for
+
+job=${SLURM_JOB_ID:?launch_node.sh runs as a Slurm task (srun) inside a job}
+node_id=${SLURM_NODEID:?launch_node.sh runs as a Slurm task (srun)}
+node_name=${SLURMD_NODENAME:-$(hostname -s)}
+python=${PYTHON:-python}
+shm_dir=${REFT_SHM_DIR:-/dev/shm}  # = --reft-shm-dir
+say() { echo "[launch] node $node_id ($node_name): $*"; }
+
+# REFT's watcher (reft_ext/watcher.py) copies the node's committed snapshots to
+# --reft-flush-dir after a worker died (a crash, a hang, preemption). It runs in its own
+# session but inside this job step: once this task exits, Slurm kills what is left of the
+# step, a watcher in the middle of its flush included. So the task waits for it.
+wait_for_watchers() {
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$python" - "$shm_dir" "$job" \
+        "${WATCHER_WAIT_S:-600}" <<'EOF' || say "a REFT watcher was still running; its flush may be incomplete"
+import sys
+from reft_ext import status
+sys.exit(0 if status.wait_watchers(sys.argv[1], sys.argv[2], float(sys.argv[3])) else 1)
+EOF
+}
+
+if [[ ${1:-} == --cleanup ]]; then
+    # On a cluster everything of the job in this host's /dev/shm is this host's: the
+    # node directories it held under any rank numbering, status files, handover notes.
+    wait_for_watchers
+    shopt -s nullglob
+    left=("$shm_dir"/reft-"$job"-node*)
+    if (( ${#left[@]} )); then
+        rm -rf -- "${left[@]}"
+        say "removed ${#left[@]} REFT shared-memory entries of job $job from $shm_dir"
+    fi
+    for d in "${MIOPEN_USER_DB_PATH:-}" "${MIOPEN_CUSTOM_CACHE_DIR:-}"; do
+        [[ $d == /tmp/*$job* ]] && rm -rf -- "$d"  # the job's own node-local caches only
+    done
+    exit 0
+fi
+
+: "${REPO:?}" "${RDZV_HOST:?}" "${RDZV_PORT:?}" "${NNODES_MIN:?}" "${NNODES_MAX:?}"
+: "${NPROC_PER_NODE:?}" "${MAX_RESTARTS:?}" "${LOG_DIR:?}"
+
+# is_host=false: every agent is a client of the store that reft_job.sh runs on the batch
+# host (an agent must never host it, or its death would end the rendezvous).
+rdzv_conf="is_host=false${RDZV_CONF:+,$RDZV_CONF}"
+cmd=("$python" -m torch.distributed.run
+     --nnodes="$NNODES_MIN:$NNODES_MAX"
+     --nproc-per-node="$NPROC_PER_NODE"
+     --rdzv-backend=c10d
+     --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT"
+     --rdzv-id="$job"  # = TORCHELASTIC_RUN_ID = REFT's job id (names /dev/shm/reft-<job>-*)
+     --rdzv-conf="$rdzv_conf"
+     --max-restarts="$MAX_RESTARTS"
+     --local-addr="$node_name"  # resolvable like RDZV_HOST; rank 0's is its workers' MASTER_ADDR
+     "$REPO/pretrain_llama.py" "$@")
+
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+    n_launcher=$(( ${#cmd[@]} - $# ))  # python -m torch.distributed.run ... script
+    printf '[launch] dry run: torchrun:'; printf ' %q' "${cmd[@]:0:n_launcher}"; echo
+    printf '[launch] dry run: trainer:'; printf ' %q' "$@"; echo
+    exit 0
+fi
+
+mkdir -p "$LOG_DIR"
+node_log=$LOG_DIR/node$node_id-$node_name.log
+# MIOpen (ROCm) keeps a SQLite database of tuned kernels: on a shared filesystem hundreds
+# of ranks lock it against each other, so env.sh points it at node-local /tmp, created here
+# on every node (the batch script runs on the first node only).
+for d in "${MIOPEN_USER_DB_PATH:-}" "${MIOPEN_CUSTOM_CACHE_DIR:-}"; do
+    [[ -n $d ]] && mkdir -p "$d"
+done
+
+say "torchrun agent: nnodes $NNODES_MIN:$NNODES_MAX, $NPROC_PER_NODE ranks, rendezvous" \
+    "$RDZV_HOST:$RDZV_PORT, restarts $MAX_RESTARTS, generation ${REFT_NODE_GENERATION:-0};" \
+    "log $node_log"
+# Everything the agent and its workers print goes to this node's log and to srun (the
+# job's .out, labelled by task). tee ignores SIGTERM: at a time limit it must keep
+# carrying torchrun's shutdown and REFT's flush lines instead of breaking the pipe.
+"${cmd[@]}" > >(trap '' TERM; exec tee -a "$node_log") 2>&1 &
+agent=$!
+# Slurm signals the task at a time limit (--signal, then SIGTERM and SIGKILL after
+# KillWait). torchrun turns SIGTERM into a shutdown of its workers, and REFT's watcher
+# flushes; this shell must pass it on and stay alive until both are done.
+# shellcheck disable=SC2317  # called by the trap
+forward() {
+    say "SIGTERM: passing it to torchrun (pid $agent); REFT's watcher flushes the snapshots"
+    kill -TERM "$agent" 2>/dev/null
+}
+trap forward TERM
+rc=0
+wait "$agent" || rc=$?
+while kill -0 "$agent" 2>/dev/null; do  # wait returns early when the trap ran
+    rc=0
+    wait "$agent" || rc=$?
+done
+trap - TERM
+wait_for_watchers
+say "torchrun exited with status $rc"
+exit "$rc"

@@ -1,0 +1,164 @@
+# shellcheck shell=bash
+# The job-level half of every sbatch script in examples/ (sourced, not run):
+#
+#   reft_job_setup          the job's shape: training nodes, hot spares, elastic minimum,
+#                           rendezvous host and port, log directory (exported for srun)
+#   reft_job_run ARGS...    the rendezvous store, one srun task per node running
+#                           launch_node.sh (a torchrun agent) with the trainer's ARGS,
+#                           the clean-up step, and the job's verdict (its exit status)
+#
+# The node-level half is launch_node.sh. Knobs, all optional (environment or set in the
+# sbatch script before reft_job_setup):
+#
+#   SPARE_NODES    hot spares among the allocated nodes (default 0): they start agents
+#                  that wait in torchrun's rendezvous until a node is lost
+#   MIN_NODES      elastic minimum, torchrun --nnodes MIN:MAX (default MAX: fixed size)
+#   NPROC_PER_NODE ranks per node = devices per node (default 8); one failure domain
+#   MAX_RESTARTS   torchrun --max-restarts (default 3)
+#   RDZV_HOST      rendezvous host (default: the first node of the allocation, where
+#                  Slurm runs the batch script and so this file)
+#   RDZV_PORT      rendezvous port (default 29400 + job id mod 1000)
+#   RDZV_CONF      extra torchrun --rdzv-conf (e.g. keep_alive_interval=5)
+#   LOG_DIR        per-node logs (default <submit dir>/logs/<job name>-<job id>)
+#   PYTHON         the interpreter with torch (default: python, i.e. the active venv)
+#   KEEP_SHM=1     leave the job's /dev/shm segments on the nodes (default: removed)
+#   DRY_RUN=1      print the srun, torchrun and trainer command lines, start nothing
+
+_reft_die() {
+    echo "[reft_job] error: $*" >&2
+    exit 2
+}
+
+reft_job_setup() {
+    : "${SLURM_JOB_ID:?not inside a Slurm job: submit this script with sbatch}"
+    : "${REPO:?set REPO to the repository root (sbatch runs a copy of the script, so its own path says nothing)}"
+    [[ -f $REPO/pretrain_llama.py ]] || _reft_die "REPO=$REPO has no pretrain_llama.py"
+    PYTHON=${PYTHON:-python}
+
+    # Every node of the allocation, in Slurm's order. The first one runs this batch
+    # script; it hosts the rendezvous store (mapfile, not `| head -1`: no SIGPIPE
+    # under pipefail on a long node list).
+    local -a hosts
+    mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    ALLOC_NODES=${#hosts[@]}
+    (( ALLOC_NODES >= 1 )) || _reft_die "scontrol found no hosts in '$SLURM_JOB_NODELIST'"
+
+    # Hot spares: allocate N + S nodes, let torchrun form the job from N of them
+    # (--nnodes MIN:N). The other agents wait in the rendezvous's redundancy list
+    # without disturbing the job, and join the next round when a node is lost.
+    SPARE_NODES=${SPARE_NODES:-0}
+    NNODES_MAX=$(( ALLOC_NODES - SPARE_NODES ))
+    (( NNODES_MAX >= 1 )) || _reft_die "SPARE_NODES=$SPARE_NODES leaves no training node of $ALLOC_NODES"
+    NNODES_MIN=${MIN_NODES:-$NNODES_MAX}
+    (( NNODES_MIN >= 1 && NNODES_MIN <= NNODES_MAX )) ||
+        _reft_die "MIN_NODES=$NNODES_MIN must be 1..$NNODES_MAX"
+    # torchrun does not tell its workers MIN; REFT needs it to let a node that fails the
+    # health check leave (docs/nodes.md). 0 = not elastic: such a node stops the job.
+    REFT_MIN_NODES=$(( NNODES_MIN < NNODES_MAX ? NNODES_MIN : 0 ))
+
+    RDZV_HOST=${RDZV_HOST:-${hosts[0]}}
+    # one port per job: two jobs sharing a batch host must not meet in one store
+    RDZV_PORT=${RDZV_PORT:-$(( 29400 + SLURM_JOB_ID % 1000 ))}
+    NPROC_PER_NODE=${NPROC_PER_NODE:-8}
+    MAX_RESTARTS=${MAX_RESTARTS:-3}
+    LOG_DIR=${LOG_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/logs/${SLURM_JOB_NAME:-job}-$SLURM_JOB_ID}
+
+    # Each round's rank-0 agent publishes a fresh store for its workers. torch's default
+    # (the agents share the first round's store) keeps a dead address on the survivors
+    # once the node that hosted it has been replaced by a spare.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # log lines reach the per-node logs when printed, not when a buffer fills: a hung
+    # node's last words are what an operator reads first
+    export PYTHONUNBUFFERED=1
+    export REPO PYTHON ALLOC_NODES SPARE_NODES NNODES_MIN NNODES_MAX REFT_MIN_NODES \
+        RDZV_HOST RDZV_PORT NPROC_PER_NODE MAX_RESTARTS LOG_DIR
+    echo "[reft_job] job $SLURM_JOB_ID (${SLURM_JOB_NAME:-?}): $ALLOC_NODES node(s) allocated," \
+        "training on $NNODES_MIN:$NNODES_MAX x $NPROC_PER_NODE ranks, $SPARE_NODES hot spare(s);" \
+        "rendezvous $RDZV_HOST:$RDZV_PORT; max restarts $MAX_RESTARTS; logs in $LOG_DIR"
+}
+
+# The rendezvous store lives in the batch script, not inside the first node's agent
+# (torchrun's default with is_host auto-detection): an agent that dies must not take the
+# job's rendezvous with it, or no spare could ever join (tools/launch_nodes.py does the
+# same on one host). It runs on the batch host, which Slurm needs alive anyway.
+_reft_start_store() {
+    local ready=$LOG_DIR/rdzv-store.$SLURM_JOB_ID.ready
+    rm -f "$ready"
+    "$PYTHON" "$REPO/examples/slurm/rdzv_store.py" --port "$RDZV_PORT" --ready-file "$ready" \
+        >"$LOG_DIR/rdzv-store.log" 2>&1 &
+    REFT_STORE_PID=$!
+    local waited=0
+    until [[ -f $ready ]]; do
+        kill -0 "$REFT_STORE_PID" 2>/dev/null ||
+            _reft_die "the rendezvous store did not start: $(tail -n 5 "$LOG_DIR/rdzv-store.log")"
+        (( waited++ < 1200 )) || _reft_die "the rendezvous store is not ready after 120 s"
+        sleep 0.1
+    done
+    rm -f "$ready"
+}
+
+_reft_stop_store() {
+    kill "$REFT_STORE_PID" 2>/dev/null || true
+    wait "$REFT_STORE_PID" 2>/dev/null || true
+}
+
+# `--save DIR` and `--train-iters N` as the trainer will see them (for the verdict)
+_reft_arg() {
+    local want=$1 prev=""
+    shift
+    for a in "$@"; do
+        [[ $prev == "$want" ]] && { echo "$a"; return; }
+        prev=$a
+    done
+}
+
+reft_job_run() {
+    local launch=$REPO/examples/slurm/launch_node.sh
+    # One task per node, whatever the node's device count: the task is torchrun, which
+    # starts NPROC_PER_NODE workers itself. --kill-on-bad-exit=0: a node whose agent
+    # fails must not take the step down, the other agents re-rendezvous (with a spare).
+    # --no-kill: a node that Slurm sees fail does not end the job step either.
+    local -a srun_cmd=(srun --nodes="$ALLOC_NODES" --ntasks="$ALLOC_NODES" --ntasks-per-node=1
+                       --kill-on-bad-exit=0 --no-kill --label)
+    local -a extra=()
+    # cluster-specific binding (GPUs and CPUs per task), set by the sbatch script
+    [[ -n ${SRUN_ARGS:-} ]] && read -r -a extra <<< "$SRUN_ARGS"
+    srun_cmd+=("${extra[@]}")
+
+    if [[ ${DRY_RUN:-0} == 1 ]]; then
+        printf '[reft_job] dry run: srun step:'; printf ' %q' "${srun_cmd[@]}" bash "$launch"
+        echo
+        # the node-level command exactly as node 0 would build it
+        SLURM_NODEID=0 SLURMD_NODENAME=$RDZV_HOST DRY_RUN=1 bash "$launch" "$@"
+        return 0
+    fi
+    mkdir -p "$LOG_DIR"
+    _reft_start_store
+    local rc=0
+    "${srun_cmd[@]}" bash "$launch" "$@" || rc=$?
+    # The nodes' /dev/shm is RAM: snapshots left behind by a failed job would stay on the
+    # node after the job. launch_node.sh waited for the REFT watchers (save-on-failure
+    # copies are in --reft-flush-dir), so what is left has no further use.
+    if [[ ${KEEP_SHM:-0} != 1 ]]; then
+        srun --nodes="$ALLOC_NODES" --ntasks="$ALLOC_NODES" --ntasks-per-node=1 \
+            --kill-on-bad-exit=0 --label bash "$launch" --cleanup || true
+    fi
+    _reft_stop_store
+
+    # The verdict. srun reports the worst task: a node lost on the way (and replaced by
+    # a spare) makes it non-zero although training completed. The persistent checkpoint
+    # of the last iteration (written at the end of every run with --save) says it did.
+    local save iters last=""
+    save=$(_reft_arg --save "$@")
+    iters=$(_reft_arg --train-iters "$@")
+    if [[ -n $save && -f $save/latest_checkpointed_iteration.txt ]]; then
+        last=$(<"$save/latest_checkpointed_iteration.txt")
+    fi
+    if (( rc != 0 )) && [[ -n $iters && $last == "$iters" ]]; then
+        echo "[reft_job] srun exited with $rc (a node or task was lost on the way), but the" \
+            "persistent checkpoint in $save is of the last iteration $iters: training completed"
+        rc=0
+    fi
+    echo "[reft_job] job $SLURM_JOB_ID: exit $rc (last persistent checkpoint: ${last:-none})"
+    return "$rc"
+}
