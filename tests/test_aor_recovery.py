@@ -45,6 +45,7 @@ def test_lost_nodes_restore_optimizer_shards_from_aor(layout, protect, reference
     _same_as_reference(run, ref, first_after=5)
 
 
+@pytest.mark.slow
 def test_without_aor_a_lost_zero1_shard_falls_back(tmp_path):
     """The same node loss with arc alone: the optimizer shard is gone, the log says so,
     and the job resumes from the persistent checkpoint."""

@@ -11,7 +11,7 @@ ITERS = ["--train-iters", "6"]
 
 
 @pytest.mark.parametrize("layout", [
-    pytest.param(k, marks=pytest.mark.slow) if k in ("tp2pp2", "pp2-interleaved") else k
+    pytest.param(k, marks=pytest.mark.slow) if k in ("tp2pp2", "pp2-interleaved", "dp4") else k
     for k in sorted(LAYOUTS)])
 def test_two_runs_bit_identical(layout, reference_runs):
     args = TINY + ITERS + LAYOUTS[layout]
