@@ -11,8 +11,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NPROC  ?= 4
 RUN_DIR ?= runs/default
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run test test-all bench clean
+.PHONY: install run demo test test-all bench clean
 
 $(STAMP): setup.py pyproject.toml constraints.txt csrc/setup_ext.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,15 +27,32 @@ $(STAMP): setup.py pyproject.toml constraints.txt csrc/setup_ext.py $(wildcard c
 install: $(STAMP)
 
 # The default job: tiny Llama, TP1 x PP2 x DP2 with the distributed optimizer (ZeRO-1),
-# on the shipped public-domain corpus, checkpoints every 100 iterations.
+# on the shipped public-domain corpus, checkpoints every 100 iterations, and REFT: a
+# snapshot of every rank's state in host memory every iteration, protected by ARC
+# replicas (parameters) and AOR (the ZeRO-1 optimizer shards), each rank its own
+# failure domain ("node"). torchrun may restart the workers 3 times.
+JOB_ARGS = --model-size tiny --pipeline-model-parallel-size 2 --use-distributed-optimizer \
+	--micro-batch-size 4 --global-batch-size 32 --train-iters 300 \
+	--lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
+	--log-interval 10 --eval-interval 100 --eval-iters 4 --save-interval 100 \
+	--reft-snapshot-every 1 --reft-protect arc,aor --reft-ranks-per-node 1 \
+	--log-params-hash
+
 run: install
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) pretrain_llama.py \
-	    --model-size tiny --pipeline-model-parallel-size 2 --use-distributed-optimizer \
-	    --micro-batch-size 4 --global-batch-size 32 --train-iters 300 \
-	    --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
-	    --log-interval 10 --eval-interval 100 --eval-iters 4 \
-	    --save $(RUN_DIR)/checkpoints --load $(RUN_DIR)/checkpoints --save-interval 100 \
-	    --tensorboard-dir $(RUN_DIR)/tensorboard $(ARGS)
+	mkdir -p $(RUN_DIR)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) --max-restarts 3 \
+	    pretrain_llama.py $(JOB_ARGS) \
+	    --save $(RUN_DIR)/checkpoints --load $(RUN_DIR)/checkpoints \
+	    --tensorboard-dir $(RUN_DIR)/tensorboard $(ARGS) 2>&1 | tee $(RUN_DIR)/train.log
+
+# The same job from scratch with a crash (rank 1, iteration 150) and a lost node (rank 2
+# and its shared memory, iteration 250, on the restarted attempt); prints what happened
+# and compares the final loss and state with `make run`'s (runs/default/train.log).
+DEMO_DIR ?= runs/demo
+DEMO_FAULTS ?= 1:150,2:250:KILL:node:1
+demo: install
+	$(PY) tools/demo.py --run-dir $(DEMO_DIR) --nproc $(NPROC) \
+	    --compare $(RUN_DIR)/train.log -- $(JOB_ARGS) --inject-fault $(DEMO_FAULTS) $(ARGS)
 
 # `make test` (CI, < 20 min on 2 cores) covers every capability end to end once;
 # `make test-all` adds the other layouts and schemes of the long recovery tests (~40 min).

@@ -29,6 +29,8 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from reft_ext.progress import Progress  # noqa: E402  (progress with ETA on stderr)
 
 # ~46 M parameters (fp32 params + Adam ~0.55 GB), 8 tokens per micro-batch, 2 micro-
 # batches: the GPU-like regime. A small vocabulary keeps the two pipeline stages balanced
@@ -133,9 +135,14 @@ def main():
     for name in a.cases.split(","):
         if name not in CASES:
             sys.exit(f"error: --cases: unknown case {name!r} (known: {', '.join(CASES)})")
-    for name in a.cases.split(","):
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        table(name, run_case(name, a.cycles, a.block))
+    cases = a.cases.split(",")
+    with Progress(len(cases), "bench_overhead", unit="case") as bar:
+        for name in cases:
+            bar.write(f"running {name} ...", file=sys.stderr)
+            res = run_case(name, a.cycles, a.block)
+            bar.update()
+            with bar.paused():
+                table(name, res)
 
 
 if __name__ == "__main__":

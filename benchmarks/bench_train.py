@@ -17,6 +17,8 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from reft_ext.progress import Progress  # noqa: E402  (progress with ETA on stderr)
 
 LAYOUTS = {
     "tp1pp2dp2-zero1": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
@@ -52,10 +54,13 @@ def main():
     ap.add_argument("extra", nargs="*", help="more trainer flags, after --")
     a = ap.parse_args()
     rows = []
-    for name in a.layouts.split(","):
-        ms, tflops, start = run(LAYOUTS[name], a.iters, a.extra)
-        rows.append((name, ms, tflops, start))
-        print(f"  {name}: {ms:.1f} ms/iter", file=sys.stderr, flush=True)
+    names = a.layouts.split(",")
+    with Progress(len(names), "bench_train", unit="run") as bar:
+        for name in names:
+            ms, tflops, start = run(LAYOUTS[name], a.iters, a.extra)
+            rows.append((name, ms, tflops, start))
+            bar.write(f"  {name}: {ms:.1f} ms/iter", file=sys.stderr)
+            bar.update()
     base = rows[0][1]
     print(f"\n{'layout (4 ranks, tiny Llama, gbs 32)':40s} {'ms/iter':>9s} {'vs first':>9s} "
           f"{'TFLOP/s/rank':>13s} {'start->1st iter s':>18s}")

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from reft_ext.protection import OWN, PARITY
+from reft_ext.protection import OWN, PARITY, REPLICA
 from reft_ext.snapshot import ReftSnapshotter, reft_print
 from reft_ext.store import from_jsonable
 
@@ -116,6 +116,20 @@ def plan_recovery(s: ReftSnapshotter, inventories: list[dict], persistent: int |
     return None, "; ".join(reasons[:2])
 
 
+def recovery_tier(inventories: list[dict], groups: list[list[int]], it: int, plans: dict,
+                  owned_needed: bool) -> str:
+    """The job-wide source of a recovery, for the [REFT] lines and the run summary:
+    "own memory" when every rank reloads its own snapshot, else the redundancy that
+    rebuilt what was lost ("ARC replica", "AEC parity", "+ AOR replica")."""
+    used = {how for plan in plans.values() for how in plan.values()} - {OWN}
+    names = {REPLICA: "ARC replica", PARITY: "AEC parity"}
+    parts = [names[h] for h in sorted(used)]
+    if owned_needed and any(owned_source(inventories, ranks, r, it) != r
+                            for ranks in groups for r in ranks):
+        parts.append("AOR replica")
+    return " + ".join(parts) if parts else "own memory"
+
+
 def _distribute(s: ReftSnapshotter, inventories, it, plan, data) -> dict:
     """Every member ends with every slice it can get without decoding: its own, its ARC
     replica, and those sent by their holders. Returns slice index -> uint8 tensor."""
@@ -190,6 +204,8 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
         return None
     gi = a.all_dp_groups.index(a.dp_ranks)
     plan = plans[gi]
+    s.recovered_from = recovery_tier(inventories, a.all_dp_groups, it, plans,
+                                     s.layout.owned.nbytes > 0)
     lay, L = s.layout, s.layout.slice_bytes
     entry = mine.get(it)
     manifest = manifests[entry["slot"]] if entry else None
@@ -238,6 +254,9 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
     reft_print(f"recovered iteration {it} on rank {a.rank} from {how[plan[s.member]]}{shard} "
                f"(group {a.dp_ranks}: {lost} slice(s) rebuilt) in {stats.item():.1f} ms "
                f"[this rank: {split}]")
+    if a.rank == 0:  # the job's one line: what served it, how long the slowest rank took
+        reft_print(f"recovery: iteration {it} restored on {a.world_size} ranks from "
+                   f"{s.recovered_from} in {stats.item():.1f} ms")
     return it
 
 

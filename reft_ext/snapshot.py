@@ -103,6 +103,8 @@ class ReftSnapshotter:
         self.pipeline = getattr(adapter, "pipeline", (1, 1, 1))  # (pp, vpp, micro-batches)
         self.pending: Batch | None = None
         self.last: dict = {}
+        self.blocked_history: list[float] = []  # slowest rank's blocking s, per snapshot
+        self.recovered_from: str | None = None  # set by REFT-load (recovery.py)
         # BW_io of Algorithm 1, bytes/s, as measured by the last snapshots (None before
         # the first: it then waits for the bubbles and the step, never competing)
         self.bandwidth: float | None = None
@@ -143,10 +145,15 @@ class ReftSnapshotter:
         self.aor_checks[0] += 1
         self.aor_checks[1] += not r["match"]
 
+    def host_bytes_per_node(self) -> int:
+        """Shared memory this job holds on each node: two slots per rank and the live AOR
+        replica (a peer's optimizer shard) beside them."""
+        return (2 * self.nbytes + self.regions["aor"][1]) * self.cfg.ranks_per_node
+
     def _check_memory(self) -> None:
         """Two slots per rank (and the live AOR replica), for every rank of the node: fail
         now, not at a SIGBUS."""
-        per_node = (2 * self.nbytes + self.regions["aor"][1]) * self.cfg.ranks_per_node
+        per_node = self.host_bytes_per_node()
         limit = self.cfg.host_memory_limit_bytes
         if limit and per_node > limit:
             raise ReftConfigError(
@@ -310,6 +317,7 @@ class ReftSnapshotter:
         stats = torch.tensor([blocked, batch.busy_s], dtype=torch.float64)
         torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX,
                                      group=self.a.control_group)
+        self.blocked_history.append(stats[0].item())
         if self.a.rank == 0:
             r, how = self.regions, batch.by_how
             aor = f", aor {r['aor'][1]}" if self.aor is not None else ""

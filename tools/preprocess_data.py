@@ -17,6 +17,10 @@ skipped (a zero-length sequence is useless to GPTDataset).
 The writing goes through megatron-core's IndexedDatasetBuilder, so the files are exactly what
 megatron.core.datasets.indexed_dataset.IndexedDataset reads. Outputs are written under temporary
 names and renamed into place, so a reader never sees a half-written .bin/.idx pair.
+
+Progress goes to stderr (reft_ext.progress): bytes of the input file (compressed bytes for
+.gz/.xz, known up front) with rate and ETA, redrawn in place on a terminal, else a line every
+10 s (REFT_PROGRESS_EVERY_S) and a final one; REFT_NO_PROGRESS=1 or --quiet turns it off.
 """
 
 import argparse
@@ -39,6 +43,7 @@ import numpy  # noqa: E402
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer  # noqa: E402
+from reft_ext.progress import Progress  # noqa: E402
 
 DOCUMENT_LEVEL = "document"
 
@@ -50,6 +55,16 @@ def open_text(path: str) -> io.TextIOBase:
     if path.endswith(".xz"):
         return lzma.open(path, "rt", encoding="utf-8")
     return open(path, "r", encoding="utf-8")
+
+
+def _open_raw_text(path: str, raw) -> io.TextIOBase:
+    """open_text over an already open binary file ``raw``, whose tell() is then the input
+    offset reached (compressed bytes for .gz/.xz): a progress measure known up front."""
+    if path.endswith(".gz"):
+        raw = gzip.GzipFile(fileobj=raw, mode="rb")
+    elif path.endswith(".xz"):
+        raw = lzma.LZMAFile(raw)
+    return io.TextIOWrapper(raw, encoding="utf-8")
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
@@ -94,32 +109,12 @@ class _Encoder:
             out[key] = ids
         return out, len(line.encode("utf-8"))
 
-
-class _Progress:
-    """tqdm when installed, else a stderr line every `interval` documents."""
-
-    def __init__(self, interval: int, quiet: bool):
-        self.interval, self.quiet, self.t0 = interval, quiet, time.time()
-        self.bar = None
-        if not quiet:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(unit="doc", file=sys.stderr)
-            except ImportError:
-                pass
-
-    def update(self, docs: int, nbytes: int, final: bool = False) -> None:
-        if self.quiet:
-            return
-        if self.bar is not None:
-            self.bar.update(1) if not final else self.bar.close()
-            return
-        if final or docs % self.interval == 0:
-            dt = max(time.time() - self.t0, 1e-9)
-            end = "\n" if final else "\r"
-            print(f"processed {docs} documents ({docs / dt:.0f} docs/s, "
-                  f"{nbytes / dt / 2**20:.2f} MB/s)", end=end, file=sys.stderr, flush=True)
+    @classmethod
+    def encode_at(cls, item: Tuple[str, int]) -> Tuple[Optional[Dict[str, List[int]]], int, int]:
+        """(line, input offset) -> (encode(line)..., input offset): the offset rides along
+        through the pool, so progress follows the documents written, not the lines read."""
+        line, offset = item
+        return (*cls.encode(line), offset)
 
 
 def preprocess_jsonl(
@@ -136,6 +131,8 @@ def preprocess_jsonl(
     """Tokenize `input_path` and write one indexed dataset per JSON key.
 
     Returns {key: written path prefix}. `workers > 1` tokenizes in a process pool (order kept).
+    Progress over the input's bytes goes to stderr (reft_ext.progress); `log_interval` is
+    kept for compatibility and unused.
     """
     tokenizer = _make_tokenizer(tokenizer_type, vocab_size)
     # uint16 tokens for vocabularies below 65500 (byte-level: 2 bytes/token), int32 otherwise;
@@ -149,35 +146,37 @@ def preprocess_jsonl(
         builders[key] = IndexedDatasetBuilder(prefix + tmp + ".bin", dtype=dtype)
 
     pool = None
-    with open_text(input_path) as lines:
+    total = os.path.getsize(input_path)
+    with open(input_path, "rb") as raw, _open_raw_text(input_path, raw) as lines:
+        items = ((line, raw.tell()) for line in lines)
         if workers > 1:
             pool = multiprocessing.get_context("fork").Pool(
                 workers, initializer=_Encoder.initialize,
                 initargs=(tokenizer_type, vocab_size, json_keys, append_eod),
             )
-            encoded: Iterable = pool.imap(_Encoder.encode, lines, chunksize=64)
+            encoded: Iterable = pool.imap(_Encoder.encode_at, items, chunksize=64)
         else:
             _Encoder.initialize(tokenizer_type, vocab_size, json_keys, append_eod)
-            encoded = map(_Encoder.encode, lines)
-        progress = _Progress(log_interval, quiet)
-        docs = skipped = nbytes = 0
-        try:
-            for doc, n in encoded:
-                nbytes += n
-                if doc is None:
-                    continue
-                for key, ids in doc.items():
-                    if not ids:
-                        skipped += 1
+            encoded = map(_Encoder.encode_at, items)
+        docs = skipped = 0
+        # progress over input bytes (compressed bytes for .gz/.xz), stderr, time-based
+        with Progress(total, os.path.basename(input_path), unit="B", disable=quiet) as bar:
+            try:
+                for doc, _, offset in encoded:
+                    bar.update(offset - bar.n)
+                    if doc is None:
                         continue
-                    builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
-                docs += 1
-                progress.update(docs, nbytes)
-        finally:
-            if pool is not None:
-                pool.close()
-                pool.join()
-        progress.update(docs, nbytes, final=True)
+                    for key, ids in doc.items():
+                        if not ids:
+                            skipped += 1
+                            continue
+                        builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                    docs += 1
+            finally:
+                if pool is not None:
+                    pool.close()
+                    pool.join()
+            bar.update(total - bar.n)  # the whole input was read
 
     for key, prefix in prefixes.items():
         builders[key].finalize(prefix + tmp + ".idx")
@@ -206,7 +205,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="writes <prefix>_<key>_document.{bin,idx}")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    g.add_argument("--log-interval", type=int, default=1000, help="progress every N documents")
+    g.add_argument("--log-interval", type=int, default=1000,
+                   help="accepted for Megatron-LM compatibility; progress (stderr, over input "
+                        "bytes) is time-based: a redrawn line on a terminal, else a line every "
+                        "REFT_PROGRESS_EVERY_S (10) s; REFT_NO_PROGRESS=1 turns it off")
     g.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 

@@ -1,2 +1,8 @@
 """Our training loop and thin hooks into megatron-core (no megatron/__init__.py: the
 ``megatron`` namespace is shared with megatron-core's ``megatron.core``)."""
+
+from megatron.training import lazy_jit
+
+# before anything here imports megatron.core: its fusion kernels are compiled on first
+# use, not at import (saves ~2 s of every rank's start-up; see lazy_jit.py)
+lazy_jit.install()

@@ -9,6 +9,7 @@ and older checkpoints are never touched.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -103,7 +104,7 @@ def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_opt
     if load_rng:
         # every rank's own generators: exact resume needs them even where DP ranks differ
         sd["rng_state"] = _per_rank_object("rng_state", state.rng_state(), saved_dp)
-    sd["train_state"] = state.counters()
+    sd["train_state"] = {**state.counters(), "extra": json.dumps(state.extra)}
     sd["args"] = {"tensor_model_parallel_size": args.tensor_model_parallel_size,
                   "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                   "num_layers": args.num_layers, "hidden_size": args.hidden_size,
@@ -234,6 +235,7 @@ class Checkpointer:
         if load_rng:
             state.set_rng_state(loaded["rng_state"])
         state.set_counters(loaded["train_state"])
+        state.extra = json.loads(loaded["train_state"].get("extra", "{}"))
         self.latest = state.iteration
         print_rank_0(f"loaded checkpoint {path} at iteration {it} [{time.time() - t0:.2f} s]")
         return True

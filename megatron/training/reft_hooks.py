@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -13,6 +14,7 @@ from megatron.training import fault_injection, optimizer_state
 from megatron.training.train_state import TrainingState
 from reft_ext.config import ReftConfig
 from reft_ext import status as node_status
+from reft_ext import summary
 from reft_ext.recovery import recover
 from reft_ext.shm import job_dir
 from reft_ext.snapshot import ReftSnapshotter, reft_print
@@ -90,23 +92,34 @@ class ReftHook:
         fault_injection.NODE_LOSS_CALLBACKS.append(self.wipe_node)
         fault_injection.CORRUPT_CALLBACKS.append(self.corrupt_own_slice)
         self.heartbeat = None  # --reft-hang-timeout (reft_ext/heartbeat.py), from on_start
+        self.state = state
+        self._t_step: float | None = None
+        self.iteration_s: list[float] = []  # this process's iteration times (summary)
 
     def recover(self, persistent_iteration):
         if self.cfg.flush_dir:  # save-on-failure tier: back into memory when newer
             from reft_ext.flush import import_flushed
 
-            it = import_flushed(self.snap.store, self.cfg.flush_dir, self.snap.nbytes)
-            if it is not None:
+            flushed = import_flushed(self.snap.store, self.cfg.flush_dir, self.snap.nbytes)
+            if flushed is not None:
                 reft_print(f"rank {self.adapter.rank}: host memory had nothing newer than "
-                           f"the flushed snapshot of iteration {it} in {self.cfg.flush_dir}: "
+                           f"the flushed snapshot of iteration {flushed} in {self.cfg.flush_dir}: "
                            f"loaded it into host memory")
         from reft_ext.reshard import reshard_from_memory
 
         # after an elastic shrink (docs/nodes.md): the old job's snapshots, resharded
         it = reshard_from_memory(self.snap, persistent_iteration)
         if it is not None:
+            self.count_recovery("memory, resharded after a shrink")
             return it
-        return recover(self.snap, persistent_iteration)
+        it = recover(self.snap, persistent_iteration)
+        if it is not None:
+            self.count_recovery(self.snap.recovered_from or "host memory")
+        return it
+
+    def count_recovery(self, tier: str) -> None:
+        """One recovery of the job, by the tier that served it (kept in the state)."""
+        summary.count_recovery(self.state.extra, tier)
 
     def on_start(self, state):
         self.snap.start()  # AOR: every holder gets its owner's (restored) shard
@@ -132,7 +145,13 @@ class ReftHook:
                   self.cfg.flush_dir, ranks=sig.ranks, hang_timeout=self.cfg.hang_timeout)
 
     def after_step(self, state):
+        now = time.perf_counter()
+        if self._t_step is not None:
+            self.iteration_s.append(now - self._t_step)
+        self._t_step = now
         self.snap.maybe_verify_aor(state.iteration)
+        if self.cfg.enabled and state.iteration % self.cfg.snapshot_every == 0:
+            summary.count_snapshot(state.extra)  # before the capture: it is in the snapshot
         self.snap.maybe_snapshot(state.iteration)
         if self.heartbeat is not None:
             self.heartbeat.iteration_done(state.iteration)
@@ -158,7 +177,20 @@ class ReftHook:
             if self.adapter.rank == 0:
                 reft_print(f"aor: {checks[0].item()} replica verifications over "
                            f"{self.adapter.world_size} ranks, {checks[1].item()} mismatches")
+        if self.adapter.rank == 0 and self.cfg.enabled:
+            reft_print(self.summary(state))
         self.snap.close(remove=not self.cfg.keep_snapshots)
+
+    def summary(self, state) -> str:
+        snap = self.snap
+        regions = {(snap.protection.name if k == "redundancy" else k): n
+                   for k, (_, n) in snap.regions.items()}
+        return summary.format_summary(
+            extra=state.extra, every=self.cfg.snapshot_every, regions=regions,
+            blocked_s=snap.blocked_history, iteration_s=self.iteration_s,
+            host_bytes_per_node=snap.host_bytes_per_node(),
+            nodes=self.adapter.world_size // self.cfg.ranks_per_node,
+            protection=self.cfg.protect)
 
     # ---- fault injection (tests) -----------------------------------------------
     def _fault_in_snapshot(self, iteration):

@@ -12,6 +12,7 @@ are not views of model parameters, then Adam's moments.
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ class TrainingState:
     consumed_valid_samples: int = 0
     skipped_iters: int = 0
     nan_iters: int = 0
+    # small JSON-able state of the run's components that must survive a restart with
+    # the rest (REFT's counters for its end-of-run summary: snapshots, recoveries)
     extra: dict = field(default_factory=dict)
 
     # ---- scalars -------------------------------------------------------------
@@ -103,6 +106,7 @@ class TrainingState:
             "adam_steps": optimizer_state.adam_steps(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": _grad_scaler_state(self.optimizer),
+            "extra": copy.deepcopy(self.extra),
         }
 
     def load_metadata(self, meta: dict) -> None:
@@ -115,6 +119,7 @@ class TrainingState:
         _set_grad_scaler_state(self.optimizer, meta["grad_scaler"])
         self.set_counters(meta["counters"])
         self.set_rng_state(meta["rng"])
+        self.extra = copy.deepcopy(meta.get("extra", {}))
 
     # ---- in-memory capture / restore -----------------------------------------
     def capture(self) -> dict:

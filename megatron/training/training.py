@@ -145,6 +145,7 @@ class Trainer:
             if self.reft is not None:
                 print_rank_0(f"[REFT] recovered iteration {self.state.iteration} from the "
                              f"persistent checkpoint {args.load}")
+                self.reft.count_recovery("the persistent checkpoint")
             return
         if self.reft is not None or args.load:
             print_rank_0("no saved state found (host memory or --load): starting from "

@@ -29,6 +29,7 @@ import numpy as np
 
 from reft_ext.plan.common import fail, positive
 from reft_ext.plan.common import flag_field as _f
+from reft_ext.progress import Progress, progress
 
 HOUR = 3600.0
 
@@ -145,12 +146,14 @@ def simulate_survival(t, nodes: int, group: int, k: int, lam: float, c: float,
 
 
 def simulate_unrecoverable(group: int, k: int, lam: float, c: float, w_hours: float,
-                           horizon: float, groups: int, rng) -> float:
+                           horizon: float, groups: int, rng, show_progress: bool = True) -> float:
     """Renewal processes (a failed node is replaced at once by a fresh one); fraction of
-    failures, after a burn-in, followed within W by failures of >= k other members."""
+    failures, after a burn-in, followed within W by failures of >= k other members.
+    Progress over the groups goes to stderr (it takes no random draws: same results)."""
     burn, hits, total = horizon * 0.1, 0, 0
     mean = mtbf_hours(lam, c)
-    for _ in range(groups):
+    for _ in progress(range(groups), desc="monte-carlo unrecoverable", unit="group",
+                      disable=not show_progress):
         fails = []
         for _ in range(group):
             n = int(horizon / mean * 1.5) + 50
@@ -173,37 +176,44 @@ def simulate_unrecoverable(group: int, k: int, lam: float, c: float, w_hours: fl
 
 def simulate_goodput(rate: float, q: float, snap_every: float, snap_cost: float,
                      restart_mem: float, persist_every: float, persist_cost: float,
-                     restart_persist: float, work: float, rng) -> float:
+                     restart_persist: float, work: float, rng,
+                     show_progress: bool = True) -> float:
     """Event-driven run of ``work`` hours of training: exponential failures of ``rate``;
     with probability q a failure rolls back to the last persistent checkpoint, otherwise
-    to the last snapshot; failures may also hit a restart (which then starts again)."""
+    to the last snapshot; failures may also hit a restart (which then starts again).
+    Progress (the most work done so far, of ``work`` hours) goes to stderr
+    (it takes no random draws: same results)."""
     done = safe_mem = safe_persist = wall = 0.0
     slow = 1 + snap_cost / snap_every  # snapshot overhead spread over the interval
     next_fail = rng.exponential(1 / rate)
-    while done < work:
-        # time to the next persistent checkpoint boundary (or the end)
-        target = min(work, (math.floor(done / persist_every + 1e-9) + 1) * persist_every)
-        need = (target - done) * slow + (persist_cost if target < work else 0.0)
-        if wall + need <= next_fail:
-            wall, done = wall + need, target
-            safe_persist = safe_mem = done
-            continue
-        # failure before the boundary: progress up to it, then roll back
-        done += (next_fail - wall) / slow
-        done = min(done, target)
-        safe_mem = max(safe_mem, math.floor(done / snap_every) * snap_every)
-        wall = next_fail
-        persist = rng.random() < q
-        done = safe_persist if persist else max(safe_mem, safe_persist)
-        safe_mem = done
-        restart = restart_persist if persist else restart_mem
-        while True:  # the restart itself can be hit
-            gap = rng.exponential(1 / rate)
-            if gap >= restart:
-                wall += restart
-                next_fail = wall + gap - restart
-                break
-            wall += gap
+    with Progress(work, "monte-carlo goodput", unit="h", disable=not show_progress) as bar:
+        while done < work:
+            if done > bar.n:  # high-water mark: rollbacks do not move the bar back
+                bar.update(done - bar.n)
+            # time to the next persistent checkpoint boundary (or the end)
+            target = min(work, (math.floor(done / persist_every + 1e-9) + 1) * persist_every)
+            need = (target - done) * slow + (persist_cost if target < work else 0.0)
+            if wall + need <= next_fail:
+                wall, done = wall + need, target
+                safe_persist = safe_mem = done
+                continue
+            # failure before the boundary: progress up to it, then roll back
+            done += (next_fail - wall) / slow
+            done = min(done, target)
+            safe_mem = max(safe_mem, math.floor(done / snap_every) * snap_every)
+            wall = next_fail
+            persist = rng.random() < q
+            done = safe_persist if persist else max(safe_mem, safe_persist)
+            safe_mem = done
+            restart = restart_persist if persist else restart_mem
+            while True:  # the restart itself can be hit
+                gap = rng.exponential(1 / rate)
+                if gap >= restart:
+                    wall += restart
+                    next_fail = wall + gap - restart
+                    break
+                wall += gap
+        bar.update(done - bar.n)
     return work / wall
 
 

@@ -1,0 +1,63 @@
+"""The end-of-run REFT summary: what snapshots cost and what recoveries happened.
+
+The counters live in the training state's small JSON part (``TrainingState.extra``
+under :data:`KEY`), so they are captured in every snapshot and persistent checkpoint and
+come back with the state after a restart: the summary of a job that crashed twice counts
+the snapshots and recoveries of all its attempts (those of the lineage that survived:
+work that a recovery rolled back is not counted twice).
+
+Timings (blocking per snapshot, iteration time) are this process's own: medians over the
+iterations it ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+KEY = "reft"
+
+
+def counters(extra: dict) -> dict:
+    """REFT's counters inside ``extra`` (created on first use)."""
+    c = extra.setdefault(KEY, {})
+    c.setdefault("snapshots", 0)
+    c.setdefault("recoveries", {})
+    return c
+
+
+def count_snapshot(extra: dict) -> None:
+    counters(extra)["snapshots"] += 1
+
+
+def count_recovery(extra: dict, tier: str) -> None:
+    rec = counters(extra)["recoveries"]
+    rec[tier] = rec.get(tier, 0) + 1
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def format_summary(*, extra: dict, every: int, regions: dict, blocked_s: list[float],
+                   iteration_s: list[float], host_bytes_per_node: int, nodes: int,
+                   protection: str) -> str:
+    """One line (without the ``[REFT]`` prefix). ``regions``: name -> bytes per rank."""
+    c = counters(extra)
+    total = sum(regions.values())
+    parts = ", ".join(f"{k} {_mib(v)}" for k, v in regions.items() if v)
+    line = (f"summary: {c['snapshots']} snapshots (every {every} iteration"
+            f"{'s' if every != 1 else ''}, --reft-protect {protection}), "
+            f"{_mib(total)} MiB per rank ({parts} MiB)")
+    if blocked_s and iteration_s:
+        blocked = statistics.median(blocked_s)
+        it = statistics.median(iteration_s)
+        line += (f"; training blocked {1000 * blocked:.2f} ms per snapshot (median), "
+                 f"{100 * blocked / it:.2f}% of the median iteration ({1000 * it:.1f} ms)")
+    rec = c["recoveries"]
+    if rec:
+        line += "; recoveries: " + ", ".join(
+            f"{n} from {tier}" for tier, n in sorted(rec.items(), key=lambda kv: -kv[1]))
+    else:
+        line += "; recoveries: none"
+    line += f"; host memory {_mib(host_bytes_per_node)} MiB per node ({nodes} nodes)"
+    return line
