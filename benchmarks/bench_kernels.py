@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reft_ext import _native  # noqa: E402
 from reft_ext.copy_engine import CopyEngine  # noqa: E402
+from reft_ext.progress import Progress  # noqa: E402
 from reft_ext.xor_code import xor_encode  # noqa: E402
 
 
@@ -85,16 +86,22 @@ def methods(n: int, ks: list[int], threads: int):
     return rows, (eng1, engn)
 
 
-def bench_size(n: int, ks: list[int], threads: int, repeats: int) -> dict[str, float]:
+def bench_size(n: int, ks: list[int], threads: int, repeats: int,
+               bar: Progress | None = None) -> dict[str, float]:
+    """``bar`` (stderr progress) advances by one per round, outside the timed calls."""
     rows, engines = methods(n, ks, threads)
     times: dict[str, list[float]] = {name: [] for name, _ in rows}
     for _, fn in rows:  # warm-up: page tables, thread pools, caches
         fn()
+    if bar is not None:
+        bar.update()
     for _ in range(repeats):
         for name, fn in rows:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+        if bar is not None:
+            bar.update()
     for e in engines:
         e.close()
     return {name: n / statistics.median(v) / 1e9 for name, v in times.items()}
@@ -118,8 +125,10 @@ def main(argv=None) -> int:
     print(f"# GB/s (1e9 B/s) of bytes written, median of {args.repeats}; "
           f"loadavg at start {os.getloadavg()[0]:.2f}")
     cols: list[dict[str, float]] = []
-    for n in sizes:
-        cols.append(bench_size(n, ks, threads, args.repeats))
+    # one progress line (stderr) over all rounds: the warm-up and --repeats per size
+    with Progress(len(sizes) * (args.repeats + 1), "bench_kernels", unit="round") as bar:
+        for n in sizes:
+            cols.append(bench_size(n, ks, threads, args.repeats, bar))
     names = list(cols[0])
     w = max(len(x) for x in names + [f"XOR k={max(ks)} {threads}T / numpy xor"]) + 2
     header = "method".ljust(w) + "".join(fmt_size(n).rjust(11) for n in sizes)

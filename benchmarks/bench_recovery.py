@@ -43,6 +43,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from reft_ext.progress import Progress  # noqa: E402
 from tools.launch_nodes import LaunchConfig, NodeLauncher  # noqa: E402
 
 
@@ -239,20 +240,26 @@ def node_loss(model, extra, tmp, tag) -> tuple[dict, str, bool]:
     return split, src, tail.disturbed
 
 
-def node_loss_part(model, a, tmp):
+def node_loss_part(model, a, tmp, bar):
     rows, sources = {}, {}
     for rep in range(a.repeats):
         for i, (name, extra) in enumerate(NODE_LOSS):
             for attempt in range(3):  # a run that shared the host is run again
                 split, src, disturbed = node_loss(model, extra, tmp, f"nl{rep}-{i}-{attempt}")
-                print(f"  [{name}, repeat {rep + 1}] " + ", ".join(
+                bar.write(f"  [{name}, repeat {rep + 1}] " + ", ".join(
                     f"{k} {v:.2f}" for k, v in split.items()) +
                     ("" if not disturbed else " (another job ran meanwhile: " +
-                     ("run again)" if attempt < 2 else "kept after 3 tries)")), flush=True)
+                     ("run again)" if attempt < 2 else "kept after 3 tries)")))
                 if not disturbed:
                     break
             rows.setdefault(name, []).append(split)
             sources[name] = src
+            bar.update()
+    with bar.paused():
+        node_loss_table(a, rows, sources)
+
+
+def node_loss_table(a, rows, sources):
     print(f"\nnode loss, kill -> first iteration after recovery, seconds (median of "
           f"{a.repeats} per column; 4 agents x 1 rank, TP1xPP2xDP2, node 1 lost and "
           f"replaced)")
@@ -287,14 +294,17 @@ def main():
              "--micro-batch-size", "1", "--global-batch-size", "4",
              "--pipeline-model-parallel-size", "2", "--train-iters", "3",
              "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-iters", "0"]
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", REPO)) as tmp:
+    # one progress line (stderr) over all runs: 5 per restore repeat, 4 per node-loss one
+    runs = a.repeats * (5 * ("restore" in parts) + len(NODE_LOSS) * ("node-loss" in parts))
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", REPO)) as tmp, \
+            Progress(runs, "bench_recovery", unit="run") as bar:
         if "restore" in parts:
-            restore_part(model, a, tmp)
+            restore_part(model, a, tmp, bar)
         if "node-loss" in parts:
-            node_loss_part(model, a, tmp)
+            node_loss_part(model, a, tmp, bar)
 
 
-def restore_part(model, a, tmp):
+def restore_part(model, a, tmp, bar):
     rows = {}
     for rep in range(a.repeats):
         for name, protect, fault in [("host memory, own", "arc", "1:3"),
@@ -303,6 +313,7 @@ def restore_part(model, a, tmp):
             ckpt = os.path.join(tmp, f"{rep}-{protect}-{len(fault)}")
             secs, src, split = scenario(model, ckpt, protect, fault)
             rows.setdefault(name, []).append((secs, split, src))
+            bar.update()
         # the persistent checkpoint of the same iteration (2), loaded on restart (the
         # job also wrote a final one at 3: point the tracker back at 2)
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -314,6 +325,12 @@ def restore_part(model, a, tmp):
             lines = run(model + ["--load", ckpt, "--train-iters", "3"], max_restarts=0)
             _, m = _first(lines, r"loaded checkpoint .* at iteration 2 \[([0-9.]+) s\]")
             rows.setdefault(name, []).append((float(m.group(1)), None, None))
+            bar.update()
+    with bar.paused():
+        restore_table(a, rows)
+
+
+def restore_table(a, rows):
     state_mb = a.layers * 12 * a.hidden ** 2 * 4 * 3 / 2 ** 20
     print(f"\nrestore of the training state (~{state_mb:.0f} MiB params+Adam, TP1xPP2xDP2, "
           f"4 ranks; median of {a.repeats}; slowest rank)")

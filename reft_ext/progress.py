@@ -10,8 +10,8 @@ so one small class does both cases:
   seconds (default 10, or env ``REFT_PROGRESS_EVERY_S``) and one final line.
 
 It is silent when ``total`` is 0 and when ``REFT_NO_PROGRESS=1``. It writes to stderr, so
-what a tool prints on stdout (tables, [BENCH] lines) is unchanged; ``write()`` prints a
-line without tearing a bar that is drawn on the same terminal.
+what a tool prints on stdout (tables, [BENCH] lines) is unchanged; ``write()`` and
+``paused()`` print without tearing a bar drawn on the same terminal.
 
     with Progress(os.path.getsize(path), desc="tokenize", unit="B") as bar:
         bar.update(nbytes)
@@ -21,6 +21,7 @@ line without tearing a bar that is drawn on the same terminal.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -92,16 +93,25 @@ class Progress:
             if not self.silent:
                 self._emit(final=True)
 
-    def write(self, text: str, file=None) -> None:
-        """print(text) to ``file`` (stdout by default), clearing and redrawing a terminal bar."""
+    @contextlib.contextmanager
+    def paused(self):
+        """Clear a bar drawn on a terminal while the block prints, then redraw it."""
         drawn = self.tty and not self.silent and not self.closed and self._width
         if drawn:
             self.stream.write("\r" + " " * self._width + "\r")
             self.stream.flush()
-        print(text, file=sys.stdout if file is None else file, flush=True)
-        if drawn:
-            self._width = 0
-            self._emit(final=False)
+        try:
+            yield
+        finally:
+            if drawn:
+                sys.stdout.flush()
+                self._width = 0
+                self._emit(final=False)
+
+    def write(self, text: str, file=None) -> None:
+        """print(text) to ``file`` (stdout by default) without tearing a terminal bar."""
+        with self.paused():
+            print(text, file=sys.stdout if file is None else file, flush=True)
 
     def __enter__(self) -> "Progress":
         return self
