@@ -45,6 +45,10 @@ class ReftConfig:
              "LOCAL_WORLD_SIZE, i.e. one node)"))
     job_id: str = field(default="", metadata=dict(
         help="names the job's shared memory (default: TORCHELASTIC_RUN_ID or SLURM_JOB_ID)"))
+    keep: int = field(default=2, metadata=dict(
+        help="snapshots each rank keeps in host memory, a ring (>= 2: the last committed "
+             "one stays intact while the next is written); more reach further back for a "
+             "loss-spike rollback (--reft-rollback-on); host memory grows with K"))
     keep_snapshots: bool = field(default=False, metadata=dict(
         help="leave the snapshots in shared memory when training ends"))
     schedule: str = field(default="has", metadata=dict(
@@ -79,6 +83,9 @@ class ReftConfig:
     def __post_init__(self):
         if self.aor_verify_every < 0:
             raise ReftConfigError("--reft-aor-verify-every: must be >= 0")
+        if self.keep < 2:
+            raise ReftConfigError(f"--reft-keep: must be >= 2 (one committed snapshot stays "
+                                  f"intact while the next is written), got {self.keep}")
         if self.snapshot_every < 0:
             raise ReftConfigError(f"--reft-snapshot-every: must be >= 0, got "
                                   f"{self.snapshot_every}")

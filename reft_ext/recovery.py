@@ -79,11 +79,14 @@ def owned_source(inventories: list[dict], ranks: list[int], r: int, it: int):
     return None
 
 
-def plan_recovery(s: ReftSnapshotter, inventories: list[dict], persistent: int | None):
-    """(iteration, {group index: plan}) or (None, reason). Same answer on every rank."""
+def plan_recovery(s: ReftSnapshotter, inventories: list[dict], persistent: int | None,
+                  max_iteration: int | None = None):
+    """(iteration, {group index: plan}) or (None, reason). Same answer on every rank.
+    ``max_iteration``: nothing newer is a candidate (a rollback's target)."""
     groups = s.a.all_dp_groups
     owned_needed = s.layout.owned.nbytes > 0
-    candidates = sorted({it for inv in inventories for it in inv}, reverse=True)
+    candidates = sorted({it for inv in inventories for it in inv
+                         if max_iteration is None or it <= max_iteration}, reverse=True)
     reasons = []
     for it in candidates:
         plans, why = {}, None
@@ -170,8 +173,10 @@ def _distribute(s: ReftSnapshotter, inventories, it, plan, data) -> dict:
 
 
 @torch.no_grad()
-def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
-    """Restore from host memory; returns the iteration, or None (caller falls back)."""
+def recover(s: ReftSnapshotter, persistent: int | None,
+            max_iteration: int | None = None) -> int | None:
+    """Restore from host memory; returns the iteration, or None (caller falls back).
+    In process (a rollback) with ``max_iteration``: the newest snapshot not after it."""
     a = s.a
     # ranks arrive at different times (imports): time the recovery, not the arrival skew
     torch.distributed.barrier(group=a.control_group)
@@ -181,7 +186,7 @@ def recover(s: ReftSnapshotter, persistent: int | None) -> int | None:
         mine = _inventory(s, verify_all, manifests)
         inventories = [None] * a.world_size
         torch.distributed.all_gather_object(inventories, mine, group=a.control_group)
-        it, plans = plan_recovery(s, inventories, persistent)
+        it, plans = plan_recovery(s, inventories, persistent, max_iteration)
         if not _needs_full_verify(inventories, it, plans):
             break
     t_verify = time.perf_counter()

@@ -80,7 +80,7 @@ class ReftSnapshotter:
         self.layout = StateLayout(adapter.replicated_tensors(), adapter.owned_tensors(),
                                   self.D, self.member, self.protection.sub_blocks())
         self.store = SnapshotStore(cfg.job_id, cfg.node_of(adapter.rank), adapter.rank,
-                                   cfg.shm_dir)
+                                   cfg.shm_dir, slots=cfg.keep)
         node, rpn = cfg.node_of(adapter.rank), cfg.ranks_per_node
         # REFT's state signals (HEALTHY, SNAP, COMPLETED ...), written by the node's first rank
         self.signals = node_status.NodeSignals(cfg.shm_dir, cfg.job_id, node,
@@ -146,20 +146,21 @@ class ReftSnapshotter:
         self.aor_checks[1] += not r["match"]
 
     def host_bytes_per_node(self) -> int:
-        """Shared memory this job holds on each node: two slots per rank and the live AOR
-        replica (a peer's optimizer shard) beside them."""
-        return (2 * self.nbytes + self.regions["aor"][1]) * self.cfg.ranks_per_node
+        """Shared memory this job holds on each node: --reft-keep slots per rank and the
+        live AOR replica (a peer's optimizer shard) beside them."""
+        return (self.cfg.keep * self.nbytes + self.regions["aor"][1]) * self.cfg.ranks_per_node
 
     def _check_memory(self) -> None:
-        """Two slots per rank (and the live AOR replica), for every rank of the node: fail
-        now, not at a SIGBUS."""
+        """--reft-keep slots per rank (and the live AOR replica), for every rank of the
+        node: fail now, not at a SIGBUS."""
         per_node = self.host_bytes_per_node()
         limit = self.cfg.host_memory_limit_bytes
         if limit and per_node > limit:
             raise ReftConfigError(
                 f"--reft-host-memory-limit: snapshots need {per_node / 2**20:.1f} MiB per node "
-                f"(2 slots x {self.nbytes / 2**20:.1f} MiB x {self.cfg.ranks_per_node} ranks), "
-                f"limit is {limit / 2**20:.1f} MiB; raise the limit or snapshot less state")
+                f"({self.cfg.keep} slots (--reft-keep) x {self.nbytes / 2**20:.1f} MiB x "
+                f"{self.cfg.ranks_per_node} ranks), limit is {limit / 2**20:.1f} MiB; raise "
+                f"the limit, lower --reft-keep or snapshot less state")
         # both slots are created (space checked and reserved) now, not at the first
         # snapshot: too little /dev/shm is a clear error before any work is done
         self.store.reserve(self.nbytes)

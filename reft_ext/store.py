@@ -1,14 +1,15 @@
 """Snapshot store of one rank inside its failure domain's shared memory.
 
-Two slots per rank, each a data segment plus a JSON manifest:
+A ring of K slots per rank (``--reft-keep K``, default 2), each a data segment plus a
+JSON manifest:
 
     /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.bin    own slice | redundancy | owned
     /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.json   iteration, layout, CRCs, metadata
     /dev/shm/reft-<job>-node<n>/rank<r>.committed      the slot of the last job-wide commit
 
-A new snapshot always goes to the slot that is not committed, and its manifest is
-deleted before the first byte is written and renamed into place only after the last
-(dirty-then-atomic-rename, as NVRx's local checkpoints do). So a crash mid-snapshot
+A new snapshot always goes to an empty slot or the oldest one, never the committed one,
+and its manifest is deleted before the first byte is written and renamed into place
+only after the last (dirty-then-atomic-rename, as NVRx's local checkpoints do). So a crash mid-snapshot
 leaves the committed slot untouched and the torn slot without a manifest. Every region
 carries the checksum its owner computed from the source bytes; :meth:`verify` checks it.
 """
@@ -24,8 +25,6 @@ import torch
 
 from reft_ext.checksum import checksum
 from reft_ext.shm import ShmSegment, job_dir
-
-SLOTS = (0, 1)
 
 
 # ---- small metadata as JSON (RNG states, counters, scheduler) ------------------------
@@ -79,7 +78,10 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 class SnapshotStore:
-    def __init__(self, job_id: str, node: int, rank: int, base_dir: str):
+    def __init__(self, job_id: str, node: int, rank: int, base_dir: str, slots: int = 2):
+        if slots < 2:
+            raise ValueError("a snapshot store needs >= 2 slots (one committed, one written)")
+        self.slots = tuple(range(slots))
         self.job = f"{job_id}-node{node}"
         self.base_dir, self.rank = base_dir, rank
         self.dir = job_dir(self.job, base_dir)
@@ -99,9 +101,15 @@ class SnapshotStore:
             return None
 
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """Open the non-committed slot for writing: its manifest goes first."""
+        """Open a slot for writing, never the committed one: an empty (or torn) slot
+        first, else the oldest snapshot's. Its manifest goes first, so the slot reads as
+        empty until :meth:`finish`."""
         c = self.committed()
-        slot = 1 - c["slot"] if c else 0
+        current = c["slot"] if c else None
+        kept = self.manifests()
+        empty = [s for s in self.slots if s not in kept and s != current]
+        slot = empty[0] if empty else min(
+            (s for s in kept if s != current), key=lambda s: int(kept[s]["iteration"]))
         try:
             os.unlink(self._path(self._name(slot, "json")))
         except FileNotFoundError:
@@ -110,8 +118,8 @@ class SnapshotStore:
         return slot, seg.tensor(torch.uint8, 0, nbytes)
 
     def reserve(self, nbytes: int) -> None:
-        """Create (or attach and grow) both slots now: space is checked and reserved."""
-        for slot in SLOTS:
+        """Create (or attach and grow) every slot now: space is checked and reserved."""
+        for slot in self.slots:
             self._segment(slot, nbytes)
 
     def _segment(self, slot: int, nbytes: int) -> ShmSegment:
@@ -151,11 +159,24 @@ class SnapshotStore:
         _write_atomic(self._path(f"rank{self.rank}.committed"),
                       json.dumps({"slot": slot, "iteration": iteration}))
 
+    def discard_newer(self, iteration: int) -> None:
+        """A rollback to ``iteration``: snapshots after it are dropped (their manifests go,
+        so they read as torn and are the first slots written again) and the commit
+        pointer goes back to ``iteration``'s slot."""
+        keep_slot = None
+        for slot, m in self.manifests().items():
+            if int(m["iteration"]) > iteration:
+                os.unlink(self._path(self._name(slot, "json")))
+            elif int(m["iteration"]) == iteration:
+                keep_slot = slot
+        if keep_slot is not None:
+            self.commit(keep_slot, iteration)
+
     # ---- reading --------------------------------------------------------------
     def manifests(self) -> dict[int, dict]:
         """slot -> manifest, for every slot whose manifest exists and parses."""
         out = {}
-        for slot in SLOTS:
+        for slot in self.slots:
             try:
                 m = json.load(open(self._path(self._name(slot, "json"))))
             except (OSError, ValueError):

@@ -29,6 +29,11 @@ def count_snapshot(extra: dict) -> None:
     counters(extra)["snapshots"] += 1
 
 
+def count_rollback(extra: dict) -> None:
+    c = counters(extra)
+    c["rollbacks"] = c.get("rollbacks", 0) + 1
+
+
 def count_recovery(extra: dict, tier: str) -> None:
     rec = counters(extra)["recoveries"]
     rec[tier] = rec.get(tier, 0) + 1
@@ -59,5 +64,7 @@ def format_summary(*, extra: dict, every: int, regions: dict, blocked_s: list[fl
             f"{n} from {tier}" for tier, n in sorted(rec.items(), key=lambda kv: -kv[1]))
     else:
         line += "; recoveries: none"
+    if c.get("rollbacks"):
+        line += f"; loss-spike rollbacks: {c['rollbacks']}"
     line += f"; host memory {_mib(host_bytes_per_node)} MiB per node ({nodes} nodes)"
     return line

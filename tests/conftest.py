@@ -84,11 +84,14 @@ def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int
 
 @pytest.fixture(scope="session")
 def reference_runs():
-    """Failure-free runs, computed once per session and shared by the tests that
-    compare against them: key -> RunResult."""
+    """Failure-free runs, computed once per session and shared by every test (in any
+    file) that compares against the same command line. The cache is keyed by the command
+    line itself, so two tests can never share a run of different flags; ``name`` only
+    documents the call site."""
     cache: dict = {}
 
-    def get(key: str, nproc: int, args: list[str]) -> RunResult:
+    def get(name: str, nproc: int, args: list[str]) -> RunResult:
+        key = (nproc, tuple(args))
         if key not in cache:
             cache[key] = torchrun(nproc, args).check()
         return cache[key]

@@ -3,9 +3,13 @@
 Every recovered run must end bit-identical (state hash per rank, every later loss) to
 the same run without the failure, and the fault must really have fired."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import TINY, torchrun
+from conftest import REPO, TINY, parse, torchrun
 
 LAYOUTS = {  # non-distributed optimizer: the whole state is replicated across DP
     "pp2dp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
@@ -61,13 +65,37 @@ def test_crash_then_node_loss(layout, protect, tmp_path, reference_runs):
     _same_as_reference(run, ref, 5)
 
 
-def test_crash_with_zero1_restores_owned_optimizer_shards(reference_runs):
+def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
+    """`make demo` (tools/demo.py) on the tiny model, the default job's layout and flags:
+    a crash (every rank reloads its own memory, ZeRO-1 shards included), then a lost node
+    (its slice from an ARC replica, its optimizer shard from an AOR replica). The digest,
+    the summary and the state all match the failure-free run bit for bit."""
     layout = "pp2dp2-zero1"
     ref = reference_runs(layout, 4, TINY + N + LAYOUTS[layout])
-    run = torchrun(4, TINY + N + LAYOUTS[layout] + reft("arc") +
-                   ["--inject-fault", "3:5"], max_restarts=1).check()
-    assert "[FAULT] injecting SIGKILL into rank 3" in run.output
-    assert "[REFT] recovered iteration 4 on rank 3 from own memory" in run.output
+    ref_log = tmp_path / "reference.log"
+    ref_log.write_text(ref.output)
+    demo = subprocess.run(
+        [sys.executable, "tools/demo.py", "--run-dir", str(tmp_path / "demo"),
+         "--nproc", "4", "--compare", str(ref_log), "--", *TINY, *N, *LAYOUTS[layout],
+         *reft("arc,aor"), "--inject-fault", "1:3,2:5:KILL:node:1"],
+        cwd=REPO, capture_output=True, text=True, timeout=400,
+        env={k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"})
+    out = demo.stdout
+    assert demo.returncode == 0, out[-4000:] + demo.stderr[-2000:]
+    run = parse((tmp_path / "demo" / "train.log").read_text(), demo.returncode)
+    assert "[FAULT] injecting SIGKILL into rank 1 (pid" in run.output
+    assert "[FAULT] wiped failure domain 2" in run.output
+    for r in range(4):
+        assert f"[REFT] recovered iteration 2 on rank {r} from own memory" in run.output
+    assert "- crash: SIGKILL to rank 1 in iteration 3" in out
+    assert "REFT-load: iteration 2 from own memory in" in out
+    assert "- lost node: SIGKILL to rank 2 in iteration 5" in out
+    assert "REFT-load: iteration 4 from ARC replica + AOR replica in" in out
+    assert out.count("training again") == 2
+    assert ("[REFT] summary: 6 snapshots (every 1 iteration, --reft-protect arc,aor)"
+            in run.output)
+    assert "recoveries: 1 from own memory, 1 from ARC replica + AOR replica;" in run.output
+    assert "bit-identical to the failure-free run" in out
     _same_as_reference(run, ref, 5)
 
 

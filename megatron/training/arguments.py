@@ -120,6 +120,12 @@ def _add_checkpoint_args(p):
     g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
     g.add_argument("--inject-fault", type=str, default=None, metavar="RANK:ITER[:SIGNAL]",
                    help="kill RANK at ITER on the first attempt (tests and demos)")
+    g.add_argument("--inject-spike", type=str, default=None, metavar="RANK:ITER[:scale|nan]",
+                   help="tests: before ITER's optimizer step, multiply RANK's gradients by "
+                        "1e4 (scale) or make them NaN (nan), once per process")
+    g.add_argument("--skip-train-batches", type=str, default=None, metavar="ITER:N[,...]",
+                   help="before iteration ITER, skip N global batches of training data "
+                        "(what a rollback with --reft-skip-batches N does; a reference run)")
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -131,6 +137,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     from reft_ext.config import ReftConfig
 
     ReftConfig.add_arguments(p)
+    from reft_ext.rollback import RollbackConfig
+
+    RollbackConfig.add_arguments(p)
     from reft_ext.health_config import HealthConfig
 
     HealthConfig.add_arguments(p)
@@ -241,6 +250,13 @@ def validate_args(args):
     if args.inject_fault is not None:
         from megatron.training.fault_injection import parse_fault_specs
         parse_fault_specs(args.inject_fault, ws)
+    if args.inject_spike is not None:
+        from megatron.training.fault_injection import parse_spike_specs
+        parse_spike_specs(args.inject_spike, ws)
+    for part in (args.skip_train_batches or "").split(","):
+        bits = part.split(":")
+        if part and not (len(bits) == 2 and all(b.isdigit() for b in bits) and int(bits[0]) >= 1):
+            _fail("--skip-train-batches", f"expected ITER:N with ITER >= 1, got {part!r}")
     _validate_reft(args)
     return args
 
@@ -248,10 +264,12 @@ def validate_args(args):
 def _validate_reft(args):
     from reft_ext.config import ReftConfig, ReftConfigError
     from reft_ext.health_config import HealthConfig
+    from reft_ext.rollback import RollbackConfig
 
     try:
         cfg = ReftConfig.from_args(args)
         health = HealthConfig.from_args(args)
+        rollback = RollbackConfig.from_args(args)
     except ReftConfigError as exc:
         raise ArgumentError(str(exc)) from None
     nodes = args.world_size // max(1, cfg.ranks_per_node)
@@ -268,6 +286,9 @@ def _validate_reft(args):
     if cfg.enabled and cfg.aor and args.data_parallel_size < 2:
         _fail("--reft-protect", f"aor needs data-parallel size >= 2 (the layout has "
               f"{args.data_parallel_size})")
+    if rollback.rollback_on == "spike" and not cfg.enabled:
+        _fail("--reft-rollback-on", "spike rolls back to a snapshot in host memory: it "
+              "needs --reft-snapshot-every >= 1")
     if cfg.enabled and args.world_size % cfg.ranks_per_node:
         _fail("--reft-ranks-per-node", f"world size {args.world_size} is not a multiple of "
               f"{cfg.ranks_per_node}")

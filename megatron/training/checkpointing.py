@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import time
 
 import torch
@@ -169,6 +171,32 @@ class Checkpointer:
             self.async_queue.schedule_async_request(request)
             print_rank_0(f"scheduled async save at iteration {it:7d} "
                          f"(blocked {time.time() - t0:.2f} s)")
+
+    def replace_newer(self, state: TrainingState) -> None:
+        """After a loss-spike rollback to ``state.iteration``: checkpoints newer than it
+        hold state from inside the spike. Make the rolled-back state the newest
+        checkpoint first (save it, or point the tracker at its existing directory), and
+        only then remove the newer ones: there is always a complete checkpoint."""
+        self.maybe_finalize(blocking=True)
+        root, it = self.args.save, state.iteration
+        if os.path.isfile(os.path.join(checkpoint_dir(root, it), "metadata.json")):
+            if torch.distributed.get_rank() == 0:
+                _write_tracker(root, it)
+            self.latest = it
+        else:
+            self.save(state)
+            self.maybe_finalize(blocking=True)
+        removed = []
+        if torch.distributed.get_rank() == 0:
+            for name in sorted(os.listdir(root)):
+                m = re.fullmatch(r"iter_(\d+)", name)
+                if m and int(m.group(1)) > it:
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                    removed.append(name)
+        torch.distributed.barrier()
+        if removed:
+            print_rank_0(f"removed persistent checkpoint(s) {', '.join(removed)} of {root}: "
+                         f"newer than the rollback to iteration {it}, from inside the spike")
 
     def maybe_finalize(self, blocking: bool = False) -> None:
         if self.async_queue is not None:

@@ -108,3 +108,61 @@ def fire(spec: FaultSpec, when: str) -> None:
     # a catchable signal (SIGTERM with --exit-signal-handler) lets the process go on; give
     # the handler a moment to run before training continues
     time.sleep(0.1)
+
+
+# ---- loss spikes (tests of --reft-rollback-on) -----------------------------------------
+SPIKE_KINDS = ("scale", "nan")
+SPIKE_SCALE = 1e4
+
+
+@dataclass(frozen=True)
+class SpikeSpec:
+    rank: int
+    iteration: int
+    kind: str = "scale"
+
+
+def parse_spike_specs(text: str, world_size: int | None = None) -> list[SpikeSpec]:
+    """``RANK:ITER[:scale|nan][,...]``."""
+    from megatron.training.arguments import ArgumentError
+
+    out = []
+    for part in (p for p in text.split(",") if p):
+        bits = part.split(":")
+        kind = bits[2] if len(bits) == 3 else "scale"
+        if len(bits) not in (2, 3) or not all(b.isdigit() for b in bits[:2]) or \
+                kind not in SPIKE_KINDS:
+            raise ArgumentError(f"--inject-spike: expected RANK:ITER[:scale|nan], got {part!r}")
+        rank, iteration = int(bits[0]), int(bits[1])
+        if world_size is not None and rank >= world_size:
+            raise ArgumentError(f"--inject-spike: rank {rank} is outside the world of "
+                                f"{world_size} ranks")
+        if iteration < 1:
+            raise ArgumentError(f"--inject-spike: iteration must be >= 1, got {iteration}")
+        out.append(SpikeSpec(rank, iteration, kind))
+    return out
+
+
+def maybe_inject_spike(specs, rank: int, iteration: int, model, fired: set) -> None:
+    """Before ``iteration``'s optimizer step: this rank's gradients (megatron's main_grad,
+    which the optimizer reads) scaled by SPIKE_SCALE or made NaN; each spec fires once per
+    process, so the iteration redone after the rollback runs clean."""
+    import torch
+
+    for spec in specs or ():
+        if spec.rank != rank or spec.iteration != iteration or spec in fired:
+            continue
+        fired.add(spec)
+        with torch.no_grad():
+            for chunk in model:
+                for p in chunk.parameters():
+                    g = getattr(p, "main_grad", None)
+                    if g is None:
+                        continue
+                    if spec.kind == "nan":
+                        g.fill_(float("nan"))
+                    else:
+                        g.mul_(SPIKE_SCALE)
+        print(f"[FAULT] spike: rank {rank}'s gradients "
+              f"{'made NaN' if spec.kind == 'nan' else f'scaled by {SPIKE_SCALE:g}'} "
+              f"before the optimizer step of iteration {iteration}", flush=True)

@@ -3,6 +3,7 @@ and REFT-load at start-up."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -15,6 +16,7 @@ from megatron.training.train_state import TrainingState
 from reft_ext.config import ReftConfig
 from reft_ext import status as node_status
 from reft_ext import summary
+from reft_ext.rollback import RollbackConfig, RollbackError, SpikeDetector
 from reft_ext.recovery import recover
 from reft_ext.shm import job_dir
 from reft_ext.snapshot import ReftSnapshotter, reft_print
@@ -93,6 +95,9 @@ class ReftHook:
         fault_injection.CORRUPT_CALLBACKS.append(self.corrupt_own_slice)
         self.heartbeat = None  # --reft-hang-timeout (reft_ext/heartbeat.py), from on_start
         self.state = state
+        self.args = args
+        self.rollback_cfg = RollbackConfig.from_args(args)
+        self.detector = SpikeDetector(self.rollback_cfg)
         self._t_step: float | None = None
         self.iteration_s: list[float] = []  # this process's iteration times (summary)
 
@@ -150,11 +155,74 @@ class ReftHook:
             self.iteration_s.append(now - self._t_step)
         self._t_step = now
         self.snap.maybe_verify_aor(state.iteration)
-        if self.cfg.enabled and state.iteration % self.cfg.snapshot_every == 0:
+        rolled_back = False
+        if self.rollback_cfg.enabled:
+            reason = self.detector.observe(state.iteration, *self._job_wide(state.report))
+            if reason is not None:  # this iteration is not snapshotted: it is undone
+                self.rollback(state, reason)
+                rolled_back = True
+        if not rolled_back and state.iteration % self.cfg.snapshot_every == 0:
             summary.count_snapshot(state.extra)  # before the capture: it is in the snapshot
-        self.snap.maybe_snapshot(state.iteration)
+            self.snap.maybe_snapshot(state.iteration)
         if self.heartbeat is not None:
             self.heartbeat.iteration_done(state.iteration)
+
+    # ---- loss-spike rollback (reft_ext/rollback.py) ---------------------------------
+    def _job_wide(self, report: dict) -> tuple[float | None, float | None]:
+        """(loss, grad norm) as every rank must see them: the loss lives on the last
+        pipeline stage, and a NaN in one rank's gradients may not reach every rank's grad
+        norm (DP replicas clip separately): MAX over the job, non-finite flags beside."""
+        vals = []
+        for v in (report.get("loss"), report.get("grad_norm")):
+            v = None if v is None else float(v)
+            finite = v is not None and math.isfinite(v)
+            vals += [v if finite else -math.inf, 0.0 if v is None or finite else 1.0]
+        t = torch.tensor(vals, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.adapter.control_group)
+        out = []
+        for value, bad in ((t[0].item(), t[1].item()), (t[2].item(), t[3].item())):
+            out.append(math.nan if bad else (None if value == -math.inf else value))
+        return out[0], out[1]
+
+    def rollback(self, state, reason: str) -> None:
+        """Every rank, in process: back to the oldest snapshot of the ring, AOR replicas
+        re-synchronized, the data position moved past --reft-skip-batches batches."""
+        spike = state.iteration
+        t0 = time.perf_counter()
+        mine = [int(m["iteration"]) for m in self.snap.store.manifests().values()]
+        target = torch.tensor([min(mine) if mine else -1], dtype=torch.int64)
+        torch.distributed.all_reduce(target, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.adapter.control_group)
+        target = int(target.item())
+        if target < 0:
+            raise RollbackError(f"--reft-rollback-on: {reason} at iteration {spike} and "
+                                     f"no snapshot in host memory to roll back to")
+        if self.snap.aor is not None:
+            self.snap.aor.pause()
+        it = recover(self.snap, None, max_iteration=target)
+        if it is None:
+            raise RollbackError(f"--reft-rollback-on: {reason} at iteration {spike}; "
+                                     f"the snapshots up to iteration {target} could not be "
+                                     f"restored (see the [REFT] line above)")
+        # the snapshots after the target hold state from inside the spike: gone before
+        # anything else can read them (a crash now must not bring the spike back)
+        self.snap.store.discard_newer(it)
+        if self.snap.aor is not None:
+            self.snap.aor.initialize()  # holders take their owners' restored shards
+        n = self.detector.rolled_back(spike, it)
+        gbs, first = self.args.global_batch_size, state.consumed_train_samples
+        skip = self.rollback_cfg.skip_batches * gbs
+        state.consumed_train_samples += skip
+        summary.count_rollback(state.extra)
+        skipped = (f"samples {first}-{first + skip - 1}" if skip else "nothing")
+        if self.adapter.rank == 0:
+            reft_print(f"rollback: {reason} at iteration {spike} -> iteration {it} restored "
+                       f"from host memory in {1000 * (time.perf_counter() - t0):.1f} ms; "
+                       f"skipped {self.rollback_cfg.skip_batches} global batch(es): "
+                       f"{skipped}; rollback {n} of at most "
+                       f"{self.rollback_cfg.rollback_limit} within "
+                       f"{self.rollback_cfg.spike_window} iterations")
 
     def before_optimizer_step(self, state):
         self.snap.before_optimizer_step()

@@ -37,6 +37,9 @@ class TrainingState:
     # small JSON-able state of the run's components that must survive a restart with
     # the rest (REFT's counters for its end-of-run summary: snapshots, recoveries)
     extra: dict = field(default_factory=dict)
+    # the last step's job-wide loss and grad norm as the trainer saw them (not saved):
+    # what loss-spike rollback judges (reft_ext/rollback.py)
+    report: dict = field(default_factory=dict)
 
     # ---- scalars -------------------------------------------------------------
     COUNTERS = ("iteration", "consumed_train_samples", "consumed_valid_samples",

@@ -21,7 +21,8 @@ from megatron.core.timers import Timers
 
 from megatron.training import llama_model, pipeline_events
 from megatron.training.checkpointing import Checkpointer
-from megatron.training.fault_injection import maybe_inject_fault, parse_fault_specs
+from megatron.training.fault_injection import (maybe_inject_fault, maybe_inject_spike,
+                                              parse_fault_specs, parse_spike_specs)
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
 from megatron.training.signals import ExitSignal
@@ -110,6 +111,10 @@ class Trainer:
             self.fb_kwargs = pipeline_events.install(cfg, self.events)
             self.trace_group = torch.distributed.new_group(backend="gloo")
         self.faults = parse_fault_specs(args.inject_fault) if args.inject_fault else []
+        self.spikes = parse_spike_specs(args.inject_spike) if args.inject_spike else []
+        self.spikes_fired: set = set()
+        self.skip_batches = [tuple(int(x) for x in p.split(":"))
+                             for p in (args.skip_train_batches or "").split(",") if p]
         self.ckpt = Checkpointer(args) if (args.save or args.load) else None
         self.exit_signal = ExitSignal() if args.exit_signal_handler else None
         n_params = llama_model.num_parameters(model)
@@ -190,6 +195,9 @@ class Trainer:
         for hook in self.hooks:  # REFT: the snapshot in flight completes before the step
             getattr(hook, "before_optimizer_step", lambda st: None)(s)
         maybe_inject_fault(self.faults, torch.distributed.get_rank(), s.iteration + 1)
+        if self.spikes:
+            maybe_inject_spike(self.spikes, torch.distributed.get_rank(), s.iteration + 1,
+                               s.model, self.spikes_fired)
         self.timers("optimizer", log_level=0).start()
         if ev:
             ev.phase_begin("optimizer-step")
@@ -224,6 +232,7 @@ class Trainer:
         first = True
         while s.iteration < args.train_iters:
             t0 = time.time()
+            self._maybe_skip_batches()
             if first:
                 self.logger.startup(t0 - self.t_process, self._startup_split())
                 first = False
@@ -235,8 +244,13 @@ class Trainer:
                 self.losses[s.iteration] = float(loss["lm loss"]).hex()
                 if not math.isfinite(loss["lm loss"]):
                     s.nan_iters += 1
+            s.report = {"loss": loss.get("lm loss"), "grad_norm": grad_norm}
+            done = s.iteration
             for hook in self.hooks:
                 getattr(hook, "after_step", lambda st: None)(s)
+            if s.iteration < done:  # a loss-spike rollback (REFT) took the state back
+                self._after_rollback()
+                continue
             if self.ckpt:
                 self.ckpt.maybe_finalize(blocking=False)
             self.logger.iteration(loss, grad_norm, skipped, time.time() - t0, self.timers)
@@ -247,6 +261,30 @@ class Trainer:
                 break
         self._finish()
         return s
+
+    def _maybe_skip_batches(self) -> None:
+        """--skip-train-batches ITER:N: before iteration ITER, move the data position on by
+        N global batches (what a loss-spike rollback with --reft-skip-batches N does)."""
+        s, gbs = self.state, self.args.global_batch_size
+        for it, n in self.skip_batches:
+            if it == s.iteration + 1 and n:
+                first = s.consumed_train_samples
+                s.consumed_train_samples += n * gbs
+                print_rank_0(f"skipping {n} global batch(es) before iteration {it}: samples "
+                             f"{first}-{s.consumed_train_samples - 1}")
+                self._build_data()
+
+    def _after_rollback(self) -> None:
+        """The state is an older iteration's and the data position moved on: read data
+        from there, forget the losses that are redone, and never leave a persistent
+        checkpoint from inside the spike as the newest one."""
+        s = self.state
+        self.losses = {i: v for i, v in self.losses.items() if i <= s.iteration}
+        self._build_data()
+        if self.ckpt is not None and self.ckpt.latest is not None and \
+                self.ckpt.latest > s.iteration and self.args.save:
+            with self._long_phase():
+                self.ckpt.replace_newer(self.state)
 
     def _startup_split(self) -> str:
         prev, parts = self.t_process, []
