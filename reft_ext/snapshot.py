@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Protocol
 
@@ -46,7 +47,10 @@ class StateAdapter(Protocol):
 
 
 def reft_print(msg: str) -> None:
-    print(f"[REFT] {msg}", flush=True)
+    """One ``[REFT]`` line in one write (ranks share a pipe: print() writes the text and
+    the newline separately, so lines of two ranks could run together)."""
+    sys.stdout.write(f"[REFT] {msg}\n")
+    sys.stdout.flush()
 
 
 

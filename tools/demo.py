@@ -97,8 +97,7 @@ def final(lines) -> tuple[tuple[int, str] | None, dict]:
         m = LOSS.search(line)
         if m:
             loss = (int(m.group(1)), m.group(2))
-        h = HASH.search(line)
-        if h:
+        for h in HASH.finditer(line):  # ranks share the pipe: lines may run together
             hashes[int(h.group(1))] = h.group(3)
     return loss, hashes
 

@@ -37,6 +37,12 @@ class FaultSpec:
     attempt: int = 0
 
 
+def _emit(line: str) -> None:
+    """One write per line: the ranks share a pipe (see megatron/training/utils.emit)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
     """Parse ``RANK:ITER[:SIGNAL]`` (SIGNAL as a name like SIGKILL/KILL/TERM or a number)."""
     from megatron.training.arguments import ArgumentError
@@ -101,8 +107,8 @@ def fire(spec: FaultSpec, when: str) -> None:
         for cb in CORRUPT_CALLBACKS:
             cb()
     name = signal.Signals(spec.signal).name
-    print(f"[FAULT] injecting {name} into rank {spec.rank} (pid {os.getpid()}) {when}"
-          f"{' (node loss)' if spec.mode == 'node' else ''}", flush=True)
+    _emit(f"[FAULT] injecting {name} into rank {spec.rank} (pid {os.getpid()}) {when}"
+          f"{' (node loss)' if spec.mode == 'node' else ''}")
     sys.stderr.flush()
     os.kill(os.getpid(), spec.signal)
     # a catchable signal (SIGTERM with --exit-signal-handler) lets the process go on; give
@@ -163,6 +169,6 @@ def maybe_inject_spike(specs, rank: int, iteration: int, model, fired: set) -> N
                         g.fill_(float("nan"))
                     else:
                         g.mul_(SPIKE_SCALE)
-        print(f"[FAULT] spike: rank {rank}'s gradients "
+        _emit(f"[FAULT] spike: rank {rank}'s gradients "
               f"{'made NaN' if spec.kind == 'nan' else f'scaled by {SPIKE_SCALE:g}'} "
-              f"before the optimizer step of iteration {iteration}", flush=True)
+              f"before the optimizer step of iteration {iteration}")

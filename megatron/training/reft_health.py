@@ -27,6 +27,7 @@ import time
 import torch
 
 from megatron.training import fault_injection
+from megatron.training.utils import emit
 from reft_ext import status as node_status
 from reft_ext.config import ReftConfig
 from reft_ext.health import run_health_check
@@ -39,7 +40,7 @@ AGENT_WAIT_S = 30.0  # the agent SIGTERMs its workers within its monitor interva
 
 
 def _say(msg: str) -> None:
-    print(f"[REFT] health: {msg}", flush=True)
+    emit(f"[REFT] health: {msg}")
 
 
 def _restarts_left() -> int | None:
@@ -111,8 +112,8 @@ def startup_health_check(args) -> bool:
         attempt = _job_attempt(attempt, hc.health_timeout)
         inject = hc.injection[:2] if hc.injection[2] == attempt else None
     if inject and inject[0] == node and rank % rpn == 0:
-        print(f"[FAULT] node {node} (rank {rank}) made to fail the {inject[1]} health check "
-              f"on attempt {attempt}", flush=True)
+        emit(f"[FAULT] node {node} (rank {rank}) made to fail the {inject[1]} health check "
+             f"on attempt {attempt}")
     report = run_health_check(rank, world, rpn, matmul_size=hc.health_matmul_size,
                               timeout_s=hc.health_timeout, inject=inject,
                               info=_restarts_left(),

@@ -28,7 +28,7 @@ from megatron.training.arguments import format_args_table
 from megatron.training.signals import ExitSignal
 from megatron.training.train_log import TrainLogger
 from megatron.training.train_state import TrainingState, params_hash
-from megatron.training.utils import is_last_rank, print_rank_0, process_start_time
+from megatron.training.utils import emit, is_last_rank, print_rank_0, process_start_time
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -330,11 +330,11 @@ class Trainer:
         if args.reft_trace_file:
             self._write_trace()
         if args.log_params_hash:
-            print(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
-                  f"state {params_hash(s)}", flush=True)
+            emit(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
+                 f"state {params_hash(s)}")
             if self.losses and is_last_rank():
-                print(f"[LOSSES] rank {torch.distributed.get_rank()} " + " ".join(
-                    f"{i}:{h}" for i, h in sorted(self.losses.items())), flush=True)
+                emit(f"[LOSSES] rank {torch.distributed.get_rank()} " + " ".join(
+                    f"{i}:{h}" for i, h in sorted(self.losses.items())))
         self.logger.close()
 
 

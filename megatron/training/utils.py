@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -20,9 +21,16 @@ def _world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def emit(msg: str) -> None:
+    """One line in one write: ranks share torchrun's stdout pipe, and print() writes the
+    text and its newline separately (unbuffered), so two ranks' lines could run together."""
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
+
+
 def print_rank_0(msg: str) -> None:
     if _rank() == 0:
-        print(msg, flush=True)
+        emit(msg)
 
 
 def print_rank_last(msg: str) -> None:
