@@ -147,10 +147,11 @@ def test_cli_rejects_too_little_host_memory_before_training():
 
     out = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_llama.py"), *TINY,
                           "--train-iters", "3", "--reft-snapshot-every", "1",
-                          "--reft-host-memory-limit", "64K"],
+                          "--reft-host-memory-limit", "64K", "--reft-keep", "3"],
                          cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "error: --reft-host-memory-limit: snapshots need" in out.stderr
+    assert "(3 slots (--reft-keep) x" in out.stderr and "lower --reft-keep" in out.stderr
     assert "iteration        1/" not in out.stdout  # nothing was trained
 
 

@@ -197,14 +197,14 @@ class ReftHook:
         target = int(target.item())
         if target < 0:
             raise RollbackError(f"--reft-rollback-on: {reason} at iteration {spike} and "
-                                     f"no snapshot in host memory to roll back to")
+                                f"no snapshot in host memory to roll back to")
         if self.snap.aor is not None:
             self.snap.aor.pause()
         it = recover(self.snap, None, max_iteration=target)
         if it is None:
             raise RollbackError(f"--reft-rollback-on: {reason} at iteration {spike}; "
-                                     f"the snapshots up to iteration {target} could not be "
-                                     f"restored (see the [REFT] line above)")
+                                f"the snapshots up to iteration {target} could not be "
+                                f"restored (see the [REFT] line above)")
         # the snapshots after the target hold state from inside the spike: gone before
         # anything else can read them (a crash now must not bring the spike back)
         self.snap.store.discard_newer(it)
