@@ -21,7 +21,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4",
         "--lr-warmup-iters", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
-        "--log-params-hash"]
+        "--log-params-hash", "--log-loss-history"]
 
 LAYOUTS = {
     "tp2pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

@@ -222,7 +222,7 @@ def nvidia_tiny(tmp_path_factory) -> Job:
     """The 7B script with the tiny model: the failure-free reference of the node-loss run."""
     tmp = tmp_path_factory.mktemp("nvidia")
     return sbatch(NVIDIA, tmp, "--nodes=2", CKPT_DIR=str(tmp / "ckpt"),
-                  EXTRA_ARGS="--log-params-hash", **TINY_OVERRIDES)
+                  EXTRA_ARGS="--log-params-hash --log-loss-history", **TINY_OVERRIDES)
 
 
 def test_nvidia_script_tiny_run(nvidia_tiny):
@@ -240,7 +240,7 @@ def test_frontier_script_node_loss_recovered_by_hot_spare(nvidia_tiny, tmp_path)
     and its ZeRO-1 shard from the AOR replica on rank 0, the survivor reloads its own
     memory, and the run ends bit-identical to the failure-free run of the 7B script."""
     job = sbatch(FRONTIER, tmp_path, "--nodes=3", CKPT_DIR=str(tmp_path / "ckpt"),
-                 EXTRA_ARGS="--log-params-hash --inject-fault 1:4:STOP",
+                 EXTRA_ARGS="--log-params-hash --log-loss-history --inject-fault 1:4:STOP",
                  **dict(TINY_OVERRIDES, SPARE_NODES="1", MIN_NODES="2"),
                  STANDIN_LATE_NODE=r"2:iteration +1/",
                  STANDIN_KILL_NODE=r"1:\[FAULT\] injecting SIGSTOP into rank 1 ")

@@ -91,6 +91,8 @@ def _add_logging_args(p):
                    help="peak TFLOP/s of one device, for the MFU column")
     g.add_argument("--log-params-hash", action="store_true",
                    help="print a hash of parameters and optimizer state at the end (tests)")
+    g.add_argument("--log-loss-history", action="store_true",
+                   help="print every iteration's loss (float.hex) at the end (tests)")
 
 
 def _add_data_args(p):

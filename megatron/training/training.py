@@ -332,6 +332,7 @@ class Trainer:
         if args.log_params_hash:
             emit(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
                  f"state {params_hash(s)}")
+        if args.log_loss_history:
             if self.losses and is_last_rank():
                 emit(f"[LOSSES] rank {torch.distributed.get_rank()} " + " ".join(
                     f"{i}:{h}" for i, h in sorted(self.losses.items())))
