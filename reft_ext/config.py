@@ -28,6 +28,22 @@ def parse_bytes(text) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def add_reft_flags(cls, parser: argparse.ArgumentParser, title: str) -> None:
+    """One ``--reft-<field>`` flag per field of the dataclass ``cls`` (REFT's config
+    dataclasses: ReftConfig, HealthConfig, RollbackConfig), its help from the field's
+    metadata, its default the field's; read back with ``getattr(args, "reft_" + name)``."""
+    g = parser.add_argument_group(title)
+    for f in fields(cls):
+        flag = "--reft-" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help")
+        if f.type in (bool, "bool"):
+            g.add_argument(flag, action="store_true", help=help_)
+            continue
+        typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", f.type), str)
+        g.add_argument(flag, type=typ, default=None if f.default is MISSING else f.default,
+                       help=help_)
+
+
 @dataclass
 class ReftConfig:
     snapshot_every: int = field(default=0, metadata=dict(
@@ -171,16 +187,7 @@ class ReftConfig:
     # ---- flags ----------------------------------------------------------------
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("REFT in-memory fault tolerance")
-        for f in fields(cls):
-            flag = "--reft-" + f.name.replace("_", "-")
-            default = f.default if f.default is not MISSING else None
-            if f.type in (bool, "bool"):
-                g.add_argument(flag, action="store_true", help=f.metadata.get("help"))
-            else:
-                typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", f.type),
-                                                       str)
-                g.add_argument(flag, type=typ, default=default, help=f.metadata.get("help"))
+        add_reft_flags(cls, parser, "REFT in-memory fault tolerance")
 
     @classmethod
     def from_args(cls, args) -> ReftConfig:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
-from reft_ext.config import ReftConfigError
+from reft_ext.config import ReftConfigError, add_reft_flags
 
 # the checks' names (here, not in health.py: parsing flags must not import torch)
 MATMUL, ALLGATHER = "matmul", "all-gather"
@@ -80,12 +80,7 @@ class HealthConfig:
     # ---- flags ----------------------------------------------------------------
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("REFT health check and elastic shrink")
-        for f in fields(cls):
-            default = f.default if f.default is not MISSING else None
-            typ = int if f.type in (int, "int") else str
-            g.add_argument("--reft-" + f.name.replace("_", "-"), type=typ, default=default,
-                           help=f.metadata.get("help"))
+        add_reft_flags(cls, parser, "REFT health check and elastic shrink")
 
     @classmethod
     def from_args(cls, args) -> HealthConfig:

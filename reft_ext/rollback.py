@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
-from reft_ext.config import ReftConfigError
+from reft_ext.config import ReftConfigError, add_reft_flags
 
 MODES = ("off", "nan", "spike")
 
@@ -79,12 +79,7 @@ class RollbackConfig:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("REFT loss-spike rollback from host memory")
-        for f in fields(cls):
-            typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", f.type), str)
-            g.add_argument("--reft-" + f.name.replace("_", "-"), type=typ,
-                           default=None if f.default is MISSING else f.default,
-                           help=f.metadata.get("help"))
+        add_reft_flags(cls, parser, "REFT loss-spike rollback from host memory")
 
     @classmethod
     def from_args(cls, args) -> RollbackConfig:
