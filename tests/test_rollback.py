@@ -7,6 +7,8 @@ the skipped samples are the ones logged."""
 
 import re
 
+import pytest
+
 from conftest import LAYOUTS, TINY, torchrun
 
 ITERS = ["--train-iters", "14"]
@@ -57,12 +59,18 @@ def test_spike_then_nan_with_zero1_roll_back_and_skip(tmp_path):
     _same(run, ref)
 
 
-def test_nan_on_one_rank_tp2pp2_rolls_back(reference_runs):
+@pytest.mark.parametrize("schedule", [
+    "has",
+    pytest.param("end-of-iteration", marks=pytest.mark.slow),
+    pytest.param("host-thread", marks=pytest.mark.slow)])
+def test_nan_on_one_rank_tp2pp2_rolls_back(schedule, reference_runs):
     """TP2xPP2 (no data parallelism: --reft-protect none, each rank's own snapshot): NaN
-    in rank 3's gradients only; all four ranks agree, roll back and skip one batch."""
+    in rank 3's gradients only; all four ranks agree, roll back and skip one batch. Every
+    snapshot schedule has committed the same ring by the time the NaN is seen."""
     args = TINY + ITERS + LAYOUTS["tp2pp2"]
-    ref = torchrun(4, args + ["--skip-train-batches", "9:1"]).check()
-    run = torchrun(4, args + reft("none") + ["--inject-spike", "3:10:nan"]).check()
+    ref = reference_runs("tp2pp2-skip9", 4, args + ["--skip-train-batches", "9:1"])
+    run = torchrun(4, args + reft("none") + ["--reft-schedule", schedule,
+                                             "--inject-spike", "3:10:nan"]).check()
     assert "[FAULT] spike: rank 3's gradients made NaN before the optimizer step of " \
            "iteration 10" in run.output
     assert re.search(r"\[REFT\] rollback: non-finite grad norm \(nan\) at iteration 10 -> "
