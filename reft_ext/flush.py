@@ -40,14 +40,14 @@ def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | N
     if not flush_dir or not os.path.isdir(flush_dir):
         return None
     flushed = {s: m for s, m in flushed_manifests(flush_dir, store.rank).items()
-               if m.get("nbytes") == nbytes}
+               if m.get("nbytes") == nbytes and s in store.slots}
     if not flushed:
         return None
     in_memory = [int(m["iteration"]) for m in store.manifests().values()]
     newest = max(int(m["iteration"]) for m in flushed.values())
     if in_memory and max(in_memory) >= newest:
         return None  # the node's memory survived: it is at least as new
-    for slot in (0, 1):
+    for slot in store.slots:
         try:  # every manifest goes first: no old manifest may describe new bytes
             os.unlink(store._path(store._name(slot, "json")))
         except FileNotFoundError:

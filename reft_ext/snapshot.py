@@ -22,6 +22,7 @@ from reft_ext.copy_engine import CopyEngine
 from reft_ext.layout import StateLayout
 from reft_ext.protection import make_protection, snapshot_regions
 from reft_ext.has import TIER1, TIER2, Batch, HasWorker, Unit
+from reft_ext.identity import stamp
 from reft_ext import status as node_status
 from reft_ext.store import SnapshotStore, to_jsonable
 from reft_ext.timeline import PipelineEvents
@@ -95,6 +96,9 @@ class ReftSnapshotter:
         self.regions = snapshot_regions(self.layout, self.protection, aor_bytes)
         self.nbytes = sum(n for _, n in self.regions.values())
         self.aor_checks = [0, 0]  # verifications, mismatches
+        # the run's identity in every manifest: REFT-load never takes another run's state
+        ident = getattr(adapter, "identity", None)
+        self.identity = stamp(ident()) if ident is not None else None
         self.engine = CopyEngine()
         # snapshot units: one native thread (a unit is one 4 MiB chunk), CPU sources only
         cpu = all(t.device.type == "cpu" for t in
@@ -306,6 +310,8 @@ class ReftSnapshotter:
             "regions": {k: [o, n, sums[k]] for k, (o, n) in self.regions.items()},
             "meta": batch.meta,
         }
+        if self.identity is not None:
+            manifest["identity"] = self.identity
         if self.aor is not None:  # whose shard the aor region holds, and can it be trusted
             manifest["aor"] = {"owner": self.aor.owner_rank, "valid": self.aor.replica.valid}
         self.store.finish(batch.slot, manifest)

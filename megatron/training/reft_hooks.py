@@ -13,7 +13,8 @@ from megatron.core import parallel_state as mpu
 
 from megatron.training import fault_injection, optimizer_state
 from megatron.training.train_state import TrainingState
-from reft_ext.config import ReftConfig
+from reft_ext.config import ReftConfig, ReftConfigError
+from reft_ext.identity import refuse_other_runs
 from reft_ext import status as node_status
 from reft_ext import summary
 from reft_ext.rollback import RollbackConfig, RollbackError, SpikeDetector
@@ -72,6 +73,20 @@ class MegatronStateAdapter:
         opt = self.state.optimizer
         return [c.optimizer for c in getattr(opt, "chained_optimizers", [opt])]
 
+    def identity(self) -> dict:
+        """What makes a state this run's (reft_ext/identity.py): not the DP size, which an
+        elastic shrink changes."""
+        a = self.args
+        fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "ffn_hidden_size", "seq_length", "padded_vocab_size",
+                  "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "use_distributed_optimizer",
+                  "bf16", "seed", "data_path", "mock_data", "split", "global_batch_size",
+                  "reft_protect")
+        out = {k: getattr(a, k, None) for k in fields}
+        out["reft_ranks_per_node"] = self.ranks_per_node
+        return out
+
     def get_meta(self) -> dict:
         return self.state.metadata()
 
@@ -87,6 +102,7 @@ class ReftHook:
         # a fresh optimizer has no Adam state yet: create it so the layout is final
         optimizer_state.ensure_adam_state(state.optimizer)
         self.adapter = MegatronStateAdapter(state, args)
+        self.adapter.ranks_per_node = self.cfg.ranks_per_node
         self.snap = ReftSnapshotter(self.cfg, self.adapter, events)
         self.faults = [f for f in faults if f.rank == self.adapter.rank]
         if any(f.mode == "snapshot" for f in self.faults):
@@ -102,6 +118,12 @@ class ReftHook:
         self.iteration_s: list[float] = []  # this process's iteration times (summary)
 
     def recover(self, persistent_iteration):
+        # another run's snapshots (same --reft-job-id, other seed/model/data...): refuse
+        # job-wide before anything is read or imported
+        why = refuse_other_runs(self.snap.store, self.cfg.flush_dir, self.adapter.identity(),
+                                self.adapter.control_group)
+        if why:
+            raise ReftConfigError(why)
         if self.cfg.flush_dir:  # save-on-failure tier: back into memory when newer
             from reft_ext.flush import import_flushed
 
