@@ -31,10 +31,6 @@ def iteration_time(pp: int, microbatches: int, t_fb: float, vpp: int = 1) -> flo
     return microbatches * t_fb + bubble_time(pp, t_fb, vpp)
 
 
-def bubble_fraction(pp: int, microbatches: int, vpp: int = 1) -> float:
-    return (pp - 1) / (microbatches * vpp + pp - 1)
-
-
 @dataclass(frozen=True)
 class TierSplit:
     """Algorithm 1: the first ``bubble_bytes`` of the stage's snapshot go into bubbles
@@ -48,10 +44,6 @@ class TierSplit:
     @property
     def rest_bytes(self) -> int:
         return self.nbytes - self.bubble_bytes
-
-    @property
-    def hidden_fraction(self) -> float:
-        return self.bubble_bytes / self.nbytes if self.nbytes else 1.0
 
 
 def snapshot_time(nbytes: int, bandwidth: float) -> float:

@@ -46,7 +46,8 @@ def mismatch(manifests, mine: dict) -> str | None:
         ident = m.get("identity")
         if ident and ident.get("fingerprint") != want:
             diff = differences(mine, ident.get("fields", {}))
-            return (f"iteration {m.get('iteration')}: " +
+            run = f"run {ident['run']}, " if ident.get("run") else ""
+            return (f"{run}iteration {m.get('iteration')}: " +
                     ("; ".join(diff[:4]) if diff else "another fingerprint"))
     return None
 

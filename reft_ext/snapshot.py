@@ -202,13 +202,6 @@ class ReftSnapshotter:
             wait = self.worker.drain()
         self._finish(wait_s=wait)
 
-    @torch.no_grad()
-    def snapshot(self, iteration: int) -> None:
-        """One blocking snapshot, whatever the schedule."""
-        self.flush()
-        self._run_inline(self._begin(iteration))
-        self._finish(wait_s=None)
-
     def _begin(self, iteration: int) -> Batch:
         """Units of work for the state as it is now, metadata captured now."""
         lay, units = self.layout, []
@@ -310,8 +303,9 @@ class ReftSnapshotter:
             "regions": {k: [o, n, sums[k]] for k, (o, n) in self.regions.items()},
             "meta": batch.meta,
         }
-        if self.identity is not None:
-            manifest["identity"] = self.identity
+        if self.identity is not None:  # + the run id (kept in the state across restarts)
+            run_id = getattr(self.a, "run_id", None)
+            manifest["identity"] = dict(self.identity, run=run_id() if run_id else None)
         if self.aor is not None:  # whose shard the aor region holds, and can it be trusted
             manifest["aor"] = {"owner": self.aor.owner_rank, "valid": self.aor.replica.valid}
         self.store.finish(batch.slot, manifest)

@@ -113,7 +113,3 @@ def xor_decode(parity: torch.Tensor, survivors: Sequence[torch.Tensor], out: tor
     """Rebuilds the one missing member: out = parity ^ (XOR of the k-1 survivors)."""
     return xor_encode([parity, *survivors], out, num_threads=num_threads)
 
-
-def xor_decode_reference(parity: torch.Tensor, survivors: Sequence[torch.Tensor],
-                         out: torch.Tensor) -> torch.Tensor:
-    return xor_encode_reference([parity, *survivors], out)

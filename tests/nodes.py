@@ -11,7 +11,6 @@ and the replacement agent completes the round.
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 
@@ -45,8 +44,3 @@ def finish(L: NodeLauncher, timeout: float = 150) -> RunResult:
     out = L.outputs()
     return parse(out, max(abs(c) for c in codes.values()))
 
-
-def shm_clean(L: NodeLauncher) -> None:
-    L.cleanup_shm()
-    assert not [n for n in os.listdir(L.cfg.shm_dir) if f"reft-{L.job_id}-" in n
-                and not n.endswith((".status.json", ".watcher.pid"))]

@@ -3,6 +3,7 @@ seed or protection), from host memory or from a flush directory; the same run do
 
 import json
 import os
+import re
 import shutil
 import uuid
 
@@ -27,14 +28,16 @@ def test_another_run_with_the_same_job_id_is_refused_and_the_same_run_resumes():
         other = torchrun(4, base + ["--train-iters", "5", "--seed", "7"] + _reft(job))
         assert other.returncode != 0
         assert ("error: --reft-job-id: host memory (/dev/shm/reft-" + job) in other.output
-        assert "holds snapshots of another run (iteration 3: seed 1234 there, 7 here). Start "\
-               "this run with another --reft-job-id" in other.output
+        run_id = re.search(r"run ([0-9a-f]{12}) \(first started", first.output).group(1)
+        assert (f"holds snapshots of another run (run {run_id}, iteration 3: seed 1234 there, "
+                f"7 here). Start this run with another --reft-job-id") in other.output
         assert "iteration        1/" not in other.output  # refused before any work
         changed = torchrun(4, base + ["--train-iters", "5"] + _reft(job) +
                            ["--reft-protect", "aec"])  # the later flag wins
         assert "reft_protect 'arc' there, 'aec' here" in changed.output
         same = torchrun(4, base + ["--train-iters", "5"] + _reft(job)).check()
         assert "[REFT] recovered iteration 3 on rank 0 from own memory" in same.output
+        assert f"run {run_id} (first started" in same.output  # the same run, carried on
     finally:
         for d in os.listdir("/dev/shm"):
             if d.startswith(f"reft-{job}"):

@@ -87,6 +87,9 @@ class MegatronStateAdapter:
         out["reft_ranks_per_node"] = self.ranks_per_node
         return out
 
+    def run_id(self) -> str | None:
+        return self.state.extra.get("run_id")
+
     def get_meta(self) -> dict:
         return self.state.metadata()
 

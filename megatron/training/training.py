@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import time
+import uuid
 from functools import partial
 
 import torch
@@ -124,6 +125,7 @@ class Trainer:
               f"parameters on this rank: {n_params}", flush=True)
         self.marks.append(("model+optimizer", time.time()))
         self._load()
+        self._name_run()
         self.marks.append(("load", time.time()))
         self.logger = TrainLogger(args, self.state)
         self._build_data()
@@ -155,6 +157,17 @@ class Trainer:
         if self.reft is not None or args.load:
             print_rank_0("no saved state found (host memory or --load): starting from "
                          "scratch at iteration 0")
+
+    def _name_run(self) -> None:
+        """A run id made at the first start and kept in the state (snapshots, flushed
+        snapshots and checkpoints carry it), so every restart knows which run it is."""
+        extra = self.state.extra
+        if "run_id" not in extra:
+            made = [f"{uuid.uuid4().hex[:12]}", time.strftime("%Y-%m-%d %H:%M:%S")]
+            torch.distributed.broadcast_object_list(made, src=0)
+            extra["run_id"], extra["run_started"] = made
+        print_rank_0(f"run {extra['run_id']} (first started {extra['run_started']}), "
+                     f"iteration {self.state.iteration}")
 
     def _build_data(self):
         from megatron.training.data import build_train_valid_test_data_iterators
