@@ -38,6 +38,18 @@ BAD = [
     (["--inject-fault", "7:3"], 4, "--inject-fault"),
     (["--inject-fault", "1:x"], 4, "--inject-fault"),
     (["--inject-fault", "1:3:SIGNOPE"], 4, "--inject-fault"),
+    (["--inject-fault", "1:3:KILL:sometimes"], 4, "--inject-fault"),  # unknown mode
+    (["--inject-fault", "1:3:KILL:node:x"], 4, "--inject-fault"),  # bad attempt
+    (["--inject-fault", "1:0"], 4, "--inject-fault"),  # iteration 0 never runs
+    (["--inject-spike", "1:3:huge"], 4, "--inject-spike"),
+    (["--inject-spike", "9:3"], 4, "--inject-spike"),
+    (["--inject-spike", "1:0:nan"], 4, "--inject-spike"),
+    (["--skip-train-batches", "0:2"], 1, "--skip-train-batches"),
+    (["--skip-train-batches", "3"], 1, "--skip-train-batches"),
+    (["--reft-rollback-on", "always"], 1, "--reft-rollback-on"),
+    (["--reft-rollback-on", "spike"], 1, "--reft-rollback-on"),  # needs snapshots
+    (["--reft-snapshot-every", "1", "--reft-keep", "1"], 1, "--reft-keep"),
+    (["--reft-spike-window", "1"], 1, "--reft-spike-window"),
     (["--micro-batch-size", "0"], 1, "--micro-batch-size"),
     (["--train-iters", "5", "--lr-warmup-iters", "5"], 1, "--lr-warmup-iters"),
 ]
