@@ -57,7 +57,18 @@ def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | N
         with open(os.path.join(flush_dir, f"rank{store.rank}.slot{slot}.bin"), "rb") as f:
             f.readinto(memoryview(dst.numpy()))
         store.finish(slot, man)
-    last = max(flushed, key=lambda s: int(flushed[s]["iteration"]))
-    store.commit(last, int(flushed[last]["iteration"]))
+    # the commit pointer the node had (the watcher copies it): a slot finished on this
+    # rank but never committed job-wide stays uncommitted here too
+    try:
+        with open(os.path.join(flush_dir, f"rank{store.rank}.committed")) as f:
+            pointer = json.load(f)
+    except (OSError, ValueError):
+        pointer = None
+    if pointer and pointer.get("slot") in flushed and \
+            int(flushed[pointer["slot"]]["iteration"]) == int(pointer.get("iteration", -1)):
+        store.commit(pointer["slot"], int(pointer["iteration"]))
+    else:
+        last = max(flushed, key=lambda s: int(flushed[s]["iteration"]))
+        store.commit(last, int(flushed[last]["iteration"]))
     return newest
 

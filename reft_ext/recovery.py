@@ -182,6 +182,17 @@ def recover(s: ReftSnapshotter, persistent: int | None,
     torch.distributed.barrier(group=a.control_group)
     t0 = time.perf_counter()
     manifests = s.store.manifests()  # read once: slot -> manifest
+    # only committed iterations are candidates. A commit anywhere means every rank had
+    # finished that snapshot (the commit follows a job-wide all-reduce); one finished on
+    # some ranks but never committed (a kill inside the snapshot or the commit) is not,
+    # even where the others' redundancy could rebuild it: the outcome of a kill must not
+    # depend on how far the other ranks got
+    c = s.store.committed()
+    newest = torch.tensor([int(c["iteration"]) if c else -1], dtype=torch.int64)
+    torch.distributed.all_reduce(newest, op=torch.distributed.ReduceOp.MAX,
+                                 group=a.control_group)
+    committed = int(newest.item())
+    max_iteration = committed if max_iteration is None else min(max_iteration, committed)
     for verify_all in (False, True):
         mine = _inventory(s, verify_all, manifests)
         inventories = [None] * a.world_size
