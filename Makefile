@@ -54,8 +54,8 @@ demo: install
 	$(PY) tools/demo.py --run-dir $(DEMO_DIR) --nproc $(NPROC) \
 	    --compare $(RUN_DIR)/train.log -- $(JOB_ARGS) --inject-fault $(DEMO_FAULTS) $(ARGS)
 
-# `make test` (CI, < 20 min on 2 cores) covers every capability end to end once;
-# `make test-all` adds the other layouts and schemes of the long recovery tests (~40 min).
+# `make test` (CI, ~11 min on 2 cores) covers every capability end to end once;
+# `make test-all` adds the other layouts and schemes of the long recovery tests (~16 min).
 test: install
 	$(PY) -m pytest -q -m "not slow" tests
 
