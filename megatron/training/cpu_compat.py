@@ -1,6 +1,6 @@
 """Run megatron-core 0.16.1 on a machine without CUDA (gloo, CPU tensors).
 
-megatron-core assumes a CUDA device in six ways (../shared/docs/MEGATRON_CPU.md lists
+megatron-core assumes a CUDA device in six ways (docs/foundation.md lists
 the file:line sites). Each assumption gets one *bridge* here. They are applied by
 :func:`apply` only when ``torch.cuda.is_available()`` is False, and each is as narrow as
 we could make it:

@@ -63,7 +63,7 @@ def transformer_config(args, timers=None) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=args.bf16,
-        # CPU: initialise on the host, no fused kernels (see MEGATRON_CPU.md)
+        # CPU: initialise on the host, no fused kernels (see docs/foundation.md)
         use_cpu_initialization=not gpu,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -72,7 +72,7 @@ def transformer_config(args, timers=None) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         # gloo matches same-peer messages in posting order: batched p2p swaps activations
-        # with interleaved PP=2 (MEGATRON_CPU.md, trap 1)
+        # with interleaved PP=2 (docs/foundation.md, trap 1)
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=True,
         timers=timers,

@@ -1,7 +1,7 @@
 """Adam state inside megatron optimizers, and the fixes resume needs with torch Adam.
 
 Without apex/TransformerEngine, megatron-core 0.16.1 runs torch's Adam inside its
-optimizers, and resuming it has three upstream bugs (MEGATRON_CPU.md):
+optimizers, and resuming it has three upstream bugs (docs/foundation.md):
 
 1. ``DistributedOptimizer.state_dict()`` reads ``state["step"]`` of every param, so a
    fresh optimizer (no state yet) cannot even build its load state dict.

@@ -1,5 +1,6 @@
 """The seams through which megatron-core's pipeline schedules report what each stage is
-doing, without a copy of schedules.py (see ../shared/docs/MEGATRON_CPU.md):
+doing, without a copy of schedules.py (docs/has.md, "Where the bubbles
+come from"):
 
 * ``ModelParallelConfig.timers``: the schedules call ``config.timers(name).start()/stop()``
   around every phase (``forward-compute``, ``backward-compute``, ``forward-recv``,
