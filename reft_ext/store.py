@@ -105,11 +105,15 @@ class SnapshotStore:
         first, else the oldest snapshot's. Its manifest goes first, so the slot reads as
         empty until :meth:`finish`."""
         c = self.committed()
-        current = c["slot"] if c else None
-        kept = self.manifests()
-        empty = [s for s in self.slots if s not in kept and s != current]
-        slot = empty[0] if empty else min(
-            (s for s in kept if s != current), key=lambda s: int(kept[s]["iteration"]))
+        current = c["slot"] if c and c["slot"] in self.slots else None
+        # ring order after the committed slot: filling the empty slots in this order
+        # keeps it, so when none is empty the next in ring order is the oldest (no
+        # manifest has to be read on this per-iteration path, only stat'ed)
+        start = 0 if current is None else current + 1
+        order = [(start + i) % len(self.slots) for i in range(len(self.slots))]
+        order = [s for s in order if s != current]
+        empty = [s for s in order if not os.path.exists(self._path(self._name(s, "json")))]
+        slot = empty[0] if empty else order[0]
         try:
             os.unlink(self._path(self._name(slot, "json")))
         except FileNotFoundError:

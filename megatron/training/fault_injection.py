@@ -37,12 +37,6 @@ class FaultSpec:
     attempt: int = 0
 
 
-def _emit(line: str) -> None:
-    """One write per line: the ranks share a pipe (see megatron/training/utils.emit)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
 def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
     """Parse ``RANK:ITER[:SIGNAL]`` (SIGNAL as a name like SIGKILL/KILL/TERM or a number)."""
     from megatron.training.arguments import ArgumentError
@@ -107,7 +101,9 @@ def fire(spec: FaultSpec, when: str) -> None:
         for cb in CORRUPT_CALLBACKS:
             cb()
     name = signal.Signals(spec.signal).name
-    _emit(f"[FAULT] injecting {name} into rank {spec.rank} (pid {os.getpid()}) {when}"
+    from megatron.training.utils import emit  # (imports torch: not at flag parsing)
+
+    emit(f"[FAULT] injecting {name} into rank {spec.rank} (pid {os.getpid()}) {when}"
           f"{' (node loss)' if spec.mode == 'node' else ''}")
     sys.stderr.flush()
     os.kill(os.getpid(), spec.signal)
@@ -155,6 +151,8 @@ def maybe_inject_spike(specs, rank: int, iteration: int, model, fired: set) -> N
     process, so the iteration redone after the rollback runs clean."""
     import torch
 
+    from megatron.training.utils import emit
+
     for spec in specs or ():
         if spec.rank != rank or spec.iteration != iteration or spec in fired:
             continue
@@ -169,6 +167,6 @@ def maybe_inject_spike(specs, rank: int, iteration: int, model, fired: set) -> N
                         g.fill_(float("nan"))
                     else:
                         g.mul_(SPIKE_SCALE)
-        _emit(f"[FAULT] spike: rank {rank}'s gradients "
+        emit(f"[FAULT] spike: rank {rank}'s gradients "
               f"{'made NaN' if spec.kind == 'nan' else f'scaled by {SPIKE_SCALE:g}'} "
               f"before the optimizer step of iteration {iteration}")

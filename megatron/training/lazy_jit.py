@@ -41,7 +41,6 @@ def lazy_compile(model=None, **kwargs):
             compiled = torch.compile(model, **kwargs)
         return compiled(*args, **kw)
 
-    run.lazy_compile_target = model
     return run
 
 

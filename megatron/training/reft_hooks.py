@@ -43,6 +43,7 @@ class MegatronStateAdapter:
 
     def __init__(self, state: TrainingState, args):
         self.state, self.args = state, args
+        self.ranks_per_node = ReftConfig.from_args(args).ranks_per_node  # (identity)
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.dp_group = mpu.get_data_parallel_group_gloo() or mpu.get_data_parallel_group()
@@ -105,7 +106,6 @@ class ReftHook:
         # a fresh optimizer has no Adam state yet: create it so the layout is final
         optimizer_state.ensure_adam_state(state.optimizer)
         self.adapter = MegatronStateAdapter(state, args)
-        self.adapter.ranks_per_node = self.cfg.ranks_per_node
         self.snap = ReftSnapshotter(self.cfg, self.adapter, events)
         self.faults = [f for f in faults if f.rank == self.adapter.rank]
         if any(f.mode == "snapshot" for f in self.faults):
