@@ -5,6 +5,7 @@ must be the one thing that makes its call site work."""
 import argparse
 import os
 import sys
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -90,8 +91,27 @@ def main():
     bridges = [b for b in cpu_compat.BRIDGES if b != a.skip]
     cpu_compat.apply(bridges)
     for trigger in a.trigger.split(","):
-        globals()["trigger_" + trigger]()
+        try:
+            globals()["trigger_" + trigger]()
+        except Exception as exc:
+            # one parseable line naming the exception and the innermost megatron-core
+            # call that raised it, so a test can tell the missing bridge's failure from
+            # any other crash; then the normal traceback and a non-zero exit
+            print(f"FAILED {trigger}: {_failure(exc)}", file=sys.stderr, flush=True)
+            raise
         print("OK", trigger, flush=True)
+
+
+def _failure(exc: BaseException) -> str:
+    """'<Type>: <message> at megatron/core/<file>:<function>: <source line>'."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f"{os.sep}megatron{os.sep}core{os.sep}" in f.filename]
+    where = "no megatron-core frame"
+    if frames:
+        f = frames[-1]
+        rel = f.filename[f.filename.rindex(f"{os.sep}megatron{os.sep}core{os.sep}") + 1:]
+        where = f"{rel.replace(os.sep, '/')}:{f.name}: {f.line}"
+    return f"{type(exc).__name__}: {exc} at {where}"
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 chosen schedule committed are exactly an end-of-iteration snapshot of the same
 iteration: right after each optimizer step (the moment an end-of-iteration snapshot is
 taken) the probe checksums the state straight from the source tensors, with a code path
-independent of the snapshot's chunk units (streaming checksum over the layout, the
-protection's encoder into a scratch buffer), and compares when the snapshot commits.
+independent of the snapshot code (its own concatenation, padding, replica and XOR
+parity from the raw bytes; neither StateLayout nor the protection's encoder), and
+compares when the snapshot commits.
 Prints one [HAS-CHECK] line per rank."""
 
 import os
@@ -18,6 +19,12 @@ from megatron.training.training import Trainer  # noqa: E402
 from reft_ext.checksum import checksum  # noqa: E402
 
 
+def _raw(tensors) -> torch.Tensor:
+    """The tensors' bytes one after the other, copied (the state moves on)."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
 class Check:
     def __init__(self, trainer):
         self.snap = trainer.reft.snap
@@ -25,13 +32,32 @@ class Check:
                                                          "drain": 0}
 
     def _reference(self):
+        """Expected region checksums from the raw state bytes, built here with torch
+        alone (cat, pad, XOR), not with StateLayout or the protection's encoder: the
+        replicated stream padded to D x 64 bytes (D x (D-1) x 64 for AEC) and cut into D
+        slices (docs/reft.md); ARC's block is the next member's slice, AEC's the XOR of
+        one sub-block of every other slice j, the k-th with this member the k-th of the
+        members other than j."""
         s = self.snap
-        lay = s.layout
-        start, end = lay.slice_range(s.member)
-        red = torch.empty(s.regions["redundancy"][1], dtype=torch.uint8)
-        s.protection.encode(lay, red)
-        out = {"own": lay.replicated.checksum(start, end), "redundancy": checksum(red),
-               "owned": lay.owned.checksum(0, lay.owned.nbytes), "aor": checksum(b"")}
+        D, m, scheme = s.D, s.member, s.protection.name
+        stream = _raw(s.a.replicated_tensors())
+        quantum = 64 * D * (D - 1 if scheme == "aec" else 1)
+        padded = max(quantum, -(-stream.numel() // quantum) * quantum)
+        slices = torch.cat([stream, torch.zeros(padded - stream.numel(), dtype=torch.uint8)]
+                           ).view(D, padded // D)
+        if scheme == "arc":
+            red = slices[(m + 1) % D]
+        elif scheme == "aec":
+            S = slices.shape[1] // (D - 1)
+            red = torch.zeros(S, dtype=torch.uint8)
+            for j in range(D):
+                if j != m:
+                    k = [x for x in range(D) if x != j].index(m)
+                    red ^= slices[j, k * S:(k + 1) * S]
+        else:
+            red = torch.empty(0, dtype=torch.uint8)
+        out = {"own": checksum(slices[m].contiguous()), "redundancy": checksum(red.contiguous()),
+               "owned": checksum(_raw(s.a.owned_tensors())), "aor": checksum(b"")}
         if s.aor is not None:
             s.aor.wait()
             out["aor"] = checksum(s.aor.replica.buffer)

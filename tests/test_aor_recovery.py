@@ -46,14 +46,20 @@ def test_lost_nodes_restore_optimizer_shards_from_aor(layout, protect, reference
 
 
 @pytest.mark.slow
-def test_without_aor_a_lost_zero1_shard_falls_back(tmp_path):
+def test_without_aor_a_lost_zero1_shard_falls_back(tmp_path, reference_runs):
     """The same node loss with arc alone: the optimizer shard is gone, the log says so,
-    and the job resumes from the persistent checkpoint."""
+    and the job resumes from the persistent checkpoint, bit-identical to the run without
+    failures."""
+    layout = "dp4-zero1"
+    ref = reference_runs(layout, 4, TINY + N + LAYOUTS[layout])
     save = str(tmp_path / "ckpt")
-    run = torchrun(4, TINY + N + LAYOUTS["dp4-zero1"] + [
+    run = torchrun(4, TINY + N + LAYOUTS[layout] + [
         "--reft-snapshot-every", "1", "--reft-protect", "arc", "--reft-ranks-per-node", "1",
         "--save", save, "--load", save, "--save-interval", "2",
         "--inject-fault", "2:4:KILL:node"], max_restarts=1).check()
+    assert "[FAULT] injecting SIGKILL into rank 2 (pid" in run.output
+    assert "[FAULT] wiped failure domain 2" in run.output
     assert ("ranks [2] lost their ZeRO-1 optimizer shards (no host replica without "
             "--reft-protect aor)") in run.output
     assert f"[REFT] recovered iteration 2 from the persistent checkpoint {save}" in run.output
+    _same_as_reference(run, ref, first_after=3)

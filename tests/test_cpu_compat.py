@@ -2,6 +2,7 @@
 fails with every bridge but that one."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,11 +35,41 @@ def test_every_call_site_works_with_all_bridges():
         assert f"OK {bridge}" in ok.stdout
 
 
+# torch.cuda's lazy init on a build without CUDA (the CPU wheel these tests run on), or
+# on a CUDA build without a usable device
+NO_CUDA = r"(AssertionError: Torch not compiled with CUDA enabled|RuntimeError: .*(NVIDIA " \
+          r"driver|CUDA GPUs).*)"
+# the failure each missing bridge causes (docs/foundation.md): the exception, then the
+# megatron-core call that raised it, as cpu_compat_probe.py's FAILED line names them
+FAILS = {
+    "rng_tracker": (NO_CUDA, "megatron/core/tensor_parallel/random.py:add: "
+                             "orig_rng_state = torch.cuda.get_rng_state()"),
+    "current_device": (NO_CUDA, "megatron/core/distributed/param_and_grad_buffer.py:"
+                                "__init__: device=torch.cuda.current_device(),"),
+    "synchronize": (NO_CUDA, "megatron/core/timers.py:start: torch.cuda.synchronize()"),
+    "cuda_literals": (NO_CUDA, "megatron/core/transformer/utils.py:get_default_causal_mask: "
+                               'return torch.triu(torch.ones(sq, sq, device="cuda"), '
+                               "diagonal=1).bool()"),
+    # torch.cuda.current_device() is bridged to "cpu": Tensor.cuda("cpu") is refused
+    "tensor_cuda": (r"RuntimeError: Invalid device, must be cuda device",
+                    "megatron/core/optimizer/grad_scaler.py:load_state_dict: self._scale = "
+                    "state_dict['scale'].cuda(torch.cuda.current_device())"),
+    # a CPU tensor's type() is 'torch.FloatTensor': megatron's dtype assert fails
+    "tensor_type": (r"AssertionError: ", "megatron/core/optimizer/clip_grads.py:"
+                                         "clip_grad_by_total_norm_fp32: assert "
+                                         "param.grad.type() == 'torch.cuda.FloatTensor'"),
+}
+
+
 @pytest.mark.parametrize("bridge", cpu_compat.BRIDGES)
 def test_bridge_is_needed(bridge):
     broken = _probe(bridge, skip=bridge)
     assert broken.returncode != 0, f"{bridge}: call site worked without its bridge"
-    assert "Traceback" in broken.stderr
+    failed = re.findall(r"^(?:\[rank0\]: )?FAILED (\w+): (.*)$", broken.stderr, re.M)
+    assert [t for t, _ in failed] == [bridge], broken.stderr[-3000:]
+    error, call = FAILS[bridge]
+    assert re.fullmatch(f"{error} at {re.escape(call)}", failed[0][1]), failed[0][1]
+    assert f"OK {bridge}" not in broken.stdout
 
 
 def test_unknown_bridge_rejected():
