@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import LAYOUTS as SHARED_LAYOUTS
 from conftest import REPO, TINY, parse, torchrun
 
 LAYOUTS = {  # non-distributed optimizer: the whole state is replicated across DP
@@ -18,6 +19,9 @@ LAYOUTS = {  # non-distributed optimizer: the whole state is replicated across D
     # ZeRO-1: optimizer shards are owned state, saved whole by their owner
     "pp2dp2-zero1": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                      "--global-batch-size", "8"],
+    # the same flags as conftest's (its failure-free runs are shared by command line)
+    "tp2pp2": SHARED_LAYOUTS["tp2pp2"],  # TP2 x PP2 x DP(ranks / 4)
+    "pp2-interleaved": SHARED_LAYOUTS["pp2-interleaved"],  # PP2 x DP2, 2 chunks per stage
 }
 N = ["--train-iters", "6"]
 
@@ -33,36 +37,64 @@ def _same_as_reference(run, ref, first_after):
     assert all(run.losses[i] == ref.losses[i] for i in run.losses)
 
 
-# the default tier keeps arc on PP2xDP2 (aec: the DP4 decode test below); `make test-all` runs all six
-@pytest.mark.parametrize("layout,protect", [
-    ("pp2dp2", "arc"),
-    pytest.param("tp2dp2", "aec", marks=pytest.mark.slow),
-    pytest.param("pp2dp2", "none", marks=pytest.mark.slow),
-    pytest.param("tp2dp2", "none", marks=pytest.mark.slow),
-    pytest.param("tp2dp2", "arc", marks=pytest.mark.slow),
-    pytest.param("pp2dp2", "aec", marks=pytest.mark.slow)])
-def test_crash_then_node_loss(layout, protect, tmp_path, reference_runs):
+# The fault fires after ITER's passes and after before_optimizer_step, which under has and
+# host-thread drains and commits the snapshot of ITER-1 (under end-of-iteration it was
+# committed right after step ITER-1): every schedule must go back to exactly ITER-1.
+RECOVERED = {"has": (2, 4), "host-thread": (2, 4), "end-of-iteration": (2, 4)}
+
+
+def _assert_schedule_ran(output, schedule):
+    """Rank 0's snapshot lines name the schedule that copied them (has/host-thread report
+    their tiers; end-of-iteration copies inline and reports none)."""
+    lines = [ln for ln in output.splitlines() if "[REFT] snapshot iteration" in ln]
+    assert lines, output[-3000:]
+    threaded = [ln for ln in lines if " B in bubbles" in ln]
+    if schedule == "end-of-iteration":
+        assert not threaded, threaded[0]
+    else:
+        assert len(threaded) == len(lines), lines
+        assert all(f", {schedule}: " in ln for ln in lines), lines
+
+
+# the default tier keeps arc on PP2xDP2 under has (aec: the DP4 decode test below);
+# `make test-all` runs every layout/scheme and the other two schedules
+@pytest.mark.parametrize("layout,protect,schedule", [
+    ("pp2dp2", "arc", "has"),
+    pytest.param("pp2dp2", "arc", "end-of-iteration", marks=pytest.mark.slow),
+    pytest.param("pp2dp2", "arc", "host-thread", marks=pytest.mark.slow),
+    pytest.param("tp2dp2", "aec", "has", marks=pytest.mark.slow),
+    pytest.param("pp2dp2", "none", "has", marks=pytest.mark.slow),
+    pytest.param("tp2dp2", "none", "has", marks=pytest.mark.slow),
+    pytest.param("tp2dp2", "arc", "has", marks=pytest.mark.slow),
+    pytest.param("pp2dp2", "aec", "has", marks=pytest.mark.slow)])
+def test_crash_then_node_loss(layout, protect, schedule, tmp_path, reference_runs):
     """Attempt 0: rank 1 crashes at iteration 3 -> every rank reloads iteration 2 from its
     own memory. Attempt 1: rank 2's node is lost at iteration 5 -> arc/aec rebuild its
     slice from peers; none falls back to the persistent checkpoint of iteration 4."""
     ref = reference_runs(layout, 4, TINY + N + LAYOUTS[layout])
     save = str(tmp_path / "ckpt")
     run = torchrun(4, TINY + N + LAYOUTS[layout] + reft(protect) + [
-        "--save", save, "--load", save, "--save-interval", "2",
+        "--reft-schedule", schedule, "--save", save, "--load", save, "--save-interval", "2",
         "--inject-fault", "1:3,2:5:KILL:node:1"], max_restarts=2).check()
     assert "[FAULT] injecting SIGKILL into rank 1 (pid" in run.output
     assert "[FAULT] wiped failure domain 2" in run.output
     assert "[FAULT] injecting SIGKILL into rank 2 (pid" in run.output
+    _assert_schedule_ran(run.output, schedule)
+    crash, lost = RECOVERED[schedule]
     for r in range(4):
-        assert f"[REFT] recovered iteration 2 on rank {r} from own memory" in run.output
+        assert f"[REFT] recovered iteration {crash} on rank {r} from own memory" in run.output
     if protect == "none":
-        assert "[REFT] recovery from host memory not possible: iteration 4: sharding group " \
-               in run.output and "lost the slices of ranks [2]" in run.output
-        assert f"[REFT] recovered iteration 4 from the persistent checkpoint {save}" in run.output
+        assert f"[REFT] recovery from host memory not possible: iteration {lost}: sharding " \
+               f"group " in run.output and "lost the slices of ranks [2]" in run.output
+        assert f"[REFT] recovered iteration {lost} from the persistent checkpoint {save}" \
+            in run.output
     else:
         source = {"arc": "ARC replica", "aec": "AEC parity"}[protect]
-        assert f"[REFT] recovered iteration 4 on rank 2 from {source}" in run.output
-    _same_as_reference(run, ref, 5)
+        assert f"[REFT] recovered iteration {lost} on rank 2 from {source}" in run.output
+        for r in (0, 1, 3):
+            assert f"[REFT] recovered iteration {lost} on rank {r} from own memory" \
+                in run.output
+    _same_as_reference(run, ref, lost + 1)
 
 
 def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
@@ -142,4 +174,58 @@ def test_flipped_byte_is_caught_and_replica_used(reference_runs):
                    ["--inject-fault", "1:5:KILL:corrupt"], max_restarts=1).check()
     assert "[FAULT] flipped a byte of rank 1's snapshot of iteration 4" in run.output
     assert "[REFT] recovered iteration 4 on rank 1 from ARC replica" in run.output
+    _same_as_reference(run, ref, 5)
+
+
+# ---- the layouts and dtypes the tests above do not cover (make test-all) ---------------
+@pytest.mark.slow
+def test_lost_node_tp2pp2dp2_arc(reference_runs):
+    """TP2 x PP2 x DP2 on 8 ranks: sharding groups [0, 2] [1, 3] [4, 6] [5, 7], each member
+    a distinct tensor-and-pipeline shard. Rank 5's node is lost: its slice comes from the
+    ARC replica rank 7 holds; the other seven reload their own memory."""
+    args = TINY + N + LAYOUTS["tp2pp2"]
+    ref = reference_runs("tp2pp2dp2", 8, args)
+    run = torchrun(8, args + reft("arc") + ["--inject-fault", "5:5:KILL:node"],
+                   max_restarts=1).check()
+    assert "[FAULT] wiped failure domain 5" in run.output
+    assert "[FAULT] injecting SIGKILL into rank 5 (pid" in run.output
+    assert ("[REFT] recovered iteration 4 on rank 5 from ARC replica (group [5, 7]: 1 "
+            "slice(s) rebuilt)") in run.output
+    for r in (0, 1, 2, 3, 4, 6, 7):
+        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
+    assert sorted(run.hashes) == list(range(8))
+    _same_as_reference(run, ref, 5)
+
+
+@pytest.mark.slow
+def test_lost_node_interleaved_pp2_arc(reference_runs):
+    """Interleaved 1F1B (two model chunks per stage): the snapshot and the rebuilt slice
+    cover both chunks of the lost rank."""
+    layout = "pp2-interleaved"
+    ref = reference_runs(layout, 4, TINY + N + LAYOUTS[layout])
+    run = torchrun(4, TINY + N + LAYOUTS[layout] + reft("arc") +
+                   ["--inject-fault", "2:5:KILL:node"], max_restarts=1).check()
+    assert "[FAULT] wiped failure domain 2" in run.output
+    assert "[FAULT] injecting SIGKILL into rank 2 (pid" in run.output
+    assert "[REFT] recovered iteration 4 on rank 2 from ARC replica" in run.output
+    for r in (0, 1, 3):
+        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
+    _same_as_reference(run, ref, 5)
+
+
+@pytest.mark.slow
+def test_lost_node_bf16_zero1_arc_aor(reference_runs):
+    """bf16 with ZeRO-1: bf16 model params (replicated, ARC), fp32 main params and Adam
+    moments (owned shards, AOR). Rank 2's node is lost: its slice comes from rank 3's ARC
+    replica, its fp32 shard from rank 3's AOR replica."""
+    args = TINY + N + LAYOUTS["pp2dp2-zero1"] + ["--bf16"]
+    ref = reference_runs("pp2dp2-zero1 bf16", 4, args)
+    run = torchrun(4, args + reft("arc,aor") +
+                   ["--inject-fault", "2:5:KILL:node"], max_restarts=1).check()
+    assert "[FAULT] wiped failure domain 2" in run.output
+    assert "[FAULT] injecting SIGKILL into rank 2 (pid" in run.output
+    assert ("[REFT] recovered iteration 4 on rank 2 from ARC replica, optimizer shard from "
+            "the AOR replica on rank 3") in run.output
+    for r in (0, 1, 3):
+        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
     _same_as_reference(run, ref, 5)
