@@ -19,11 +19,11 @@ def main(argv=None):
     from megatron.training.training import pretrain
     from reft_ext.config import ReftConfigError
     from reft_ext.rollback import RollbackError
-    from reft_ext.shm import ShmSpaceError
+    from reft_ext.shm import ShmDirError, ShmSpaceError
 
     try:
         pretrain(args)
-    except (ReftConfigError, ShmSpaceError, RollbackError) as exc:
+    except (ReftConfigError, ShmSpaceError, ShmDirError, RollbackError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except CheckpointError as exc:

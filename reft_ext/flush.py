@@ -12,11 +12,23 @@ group can rebuild wins) and the same comparison with ``--load`` apply.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 
-from reft_ext.store import SnapshotStore
+from reft_ext.store import SnapshotStore, read_sealed
+
+_reported: set = set()  # (path, why): one line per bad flushed file
+
+
+def _read(path: str) -> dict | None:
+    """A flushed manifest or commit pointer, if whole (its own checksum, as in memory)."""
+    obj, why = read_sealed(path)
+    if why is not None and (path, why) not in _reported:
+        _reported.add((path, why))
+        from reft_ext.snapshot import reft_print
+
+        reft_print(f"{path} {why}: not used")
+    return obj
 
 
 def flushed_manifests(flush_dir: str, rank: int) -> dict[int, dict]:
@@ -25,8 +37,9 @@ def flushed_manifests(flush_dir: str, rank: int) -> dict[int, dict]:
     for p in glob.glob(os.path.join(flush_dir, f"rank{rank}.slot*.json")):
         m = re.search(r"\.slot(\d+)\.json$", p)
         try:
-            with open(p) as f:
-                man = json.load(f)
+            man = _read(p)
+            if man is None:
+                continue
             if os.path.getsize(p[:-len(".json")] + ".bin") >= man["nbytes"]:
                 out[int(m.group(1))] = man
         except (OSError, ValueError, KeyError):
@@ -60,9 +73,8 @@ def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | N
     # the commit pointer the node had (the watcher copies it): a slot finished on this
     # rank but never committed job-wide stays uncommitted here too
     try:
-        with open(os.path.join(flush_dir, f"rank{store.rank}.committed")) as f:
-            pointer = json.load(f)
-    except (OSError, ValueError):
+        pointer = _read(os.path.join(flush_dir, f"rank{store.rank}.committed"))
+    except OSError:
         pointer = None
     if pointer and pointer.get("slot") in flushed and \
             int(flushed[pointer["slot"]]["iteration"]) == int(pointer.get("iteration", -1)):

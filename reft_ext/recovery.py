@@ -110,8 +110,10 @@ def plan_recovery(s: ReftSnapshotter, inventories: list[dict], persistent: int |
             plans[gi] = plan
         if why is None:
             if persistent is not None and persistent > it:
+                # + why the newer iterations in host memory could not be rebuilt
+                lost = "".join(f"; {r}" for r in reasons[:2])
                 return None, (f"the persistent checkpoint (iteration {persistent}) is newer "
-                              f"than host memory (iteration {it})")
+                              f"than host memory (iteration {it}){lost}")
             return it, plans
         reasons.append(f"iteration {it}: {why}")
     if not candidates:
@@ -256,6 +258,11 @@ def recover(s: ReftSnapshotter, persistent: int | None,
     if lay.owned.nbytes:
         aor_from = _restore_owned(s, inventories, it, data)
     a.set_meta(from_jsonable(meta))
+    if entry and (c is None or (c.get("slot"), int(c.get("iteration", -1))) !=
+                  (entry["slot"], it)):
+        # the restored slot becomes this rank's commit pointer (a corrupt, stale or newer
+        # one otherwise): the next snapshot must not overwrite what was just restored
+        s.store.commit(entry["slot"], it)
     t_end = time.perf_counter()
     ms = 1000 * (t_end - t0)
     split = (f"verify+agree {1000 * (t_verify - t0):.0f}, exchange "

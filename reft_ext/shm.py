@@ -44,6 +44,15 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 class ShmSpaceError(OSError):
     """Not enough free space on the shared-memory filesystem."""
 
+    def __str__(self) -> str:  # the one-line message, without "[Errno 28]"
+        return self.strerror or super().__str__()
+
+
+class ShmDirError(PermissionError):
+    """The job's shared-memory directory is not this user's private directory."""
+
+    __str__ = ShmSpaceError.__str__
+
 
 def default_base_dir() -> str:
     return os.environ.get("REFT_SHM_DIR") or "/dev/shm"
@@ -64,12 +73,17 @@ def _free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _human(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _space_error(path: str, need: int, free: int) -> ShmSpaceError:
     return ShmSpaceError(
         errno.ENOSPC,
-        f"shared-memory segment {path} needs {need} more bytes ({need / 2**30:.2f} GiB) but its "
-        f"filesystem has {free} bytes ({free / 2**30:.2f} GiB) free; lower the snapshot footprint "
-        f"with --reft-host-memory-limit or point --reft-shm-dir at a larger tmpfs "
+        f"shared-memory segment {path} needs {need} more bytes ({_human(need)}) but its "
+        f"filesystem has {free} bytes ({_human(free)}) free; lower the snapshot footprint "
+        f"(--reft-keep, --reft-protect; --reft-host-memory-limit checks it per node at "
+        f"start) or point --reft-shm-dir at a larger tmpfs "
         f"(e.g. a bigger /dev/shm: docker --shm-size, mount -o remount,size=...)")
 
 
@@ -88,13 +102,21 @@ def _reserve(fd: int, path: str, offset: int, length: int) -> None:
         raise
 
 
-def _ensure_private_dir(path: str) -> None:
+def ensure_private_dir(path: str) -> None:
+    """Create the job's directory, or take an existing one only if it is this user's:
+    a directory of another user (another job with the same id, or a planted one) is
+    never written into, and the error says what to do."""
+    what = "Start this job with another --reft-job-id (or --reft-shm-dir), or remove " \
+        f"{path} if the job that made it is over"
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise OSError(errno.ENOTDIR, f"{path} exists and is not a directory")
+        raise ShmDirError(errno.ENOTDIR, f"--reft-shm-dir: {path} exists and is not a "
+                          f"directory. {what}")
     if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user")
+        raise ShmDirError(errno.EACCES, f"--reft-shm-dir: {path} belongs to uid "
+                          f"{st.st_uid}, not to this user (uid {os.getuid()}): another "
+                          f"job or user holds this --reft-job-id on this node. {what}")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
 
@@ -120,7 +142,7 @@ class ShmSegment:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
         d = job_dir(job_id, base_dir)
-        _ensure_private_dir(d)
+        ensure_private_dir(d)
         path = os.path.join(d, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:

@@ -12,11 +12,21 @@ and its manifest is deleted before the first byte is written and renamed into pl
 only after the last (dirty-then-atomic-rename, as NVRx's local checkpoints do). So a crash mid-snapshot
 leaves the committed slot untouched and the torn slot without a manifest. Every region
 carries the checksum its owner computed from the source bytes; :meth:`verify` checks it.
+
+The manifest holds what REFT-load restores besides the bytes (RNG states, counters,
+scheduler) and the regions' checksums, and the commit pointer decides which iterations
+are candidates: each file carries the SHA-256 of its own content (``self_sha256``, over
+the canonical JSON of the rest). A file that fails it, or does not parse, is reported once
+in a ``[REFT]`` line naming it: a manifest is then treated as torn (its slot unusable on
+this rank, so the peers' redundancy rebuilds it or the job falls back), a commit pointer
+as absent (the job-wide newest commit decides). Files written before the field existed
+are judged as before.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 
@@ -67,6 +77,41 @@ def from_jsonable(obj):
     return obj
 
 
+SEAL = "self_sha256"  # the field of a manifest / commit pointer: digest of the rest
+
+
+def _digest(obj: dict) -> str:
+    """SHA-256 of the canonical JSON of ``obj`` without its seal (sorted keys: the same
+    text after any JSON round trip)."""
+    body = {k: v for k, v in obj.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def sealed(obj: dict) -> str:
+    """The JSON text of ``obj`` carrying its own digest (written once through JSON first,
+    so that what is hashed is exactly what a reader parses back)."""
+    plain = json.loads(json.dumps({k: v for k, v in obj.items() if k != SEAL}))
+    return json.dumps(dict(plain, **{SEAL: _digest(plain)}))
+
+
+def read_sealed(path: str) -> tuple[dict | None, str | None]:
+    """(content without the seal, None), or (None, why) for a file that is not whole:
+    it does not parse, is not an object, or fails its digest. A missing file raises
+    OSError; a file without a seal (written before seals existed) is taken as is."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None, "does not parse as JSON"
+    if not isinstance(obj, dict):
+        return None, "is not a JSON object"
+    want = obj.pop(SEAL, None)
+    if want is not None and want != _digest(obj):
+        return None, f"fails its checksum ({SEAL})"
+    return obj, None
+
+
 def _write_atomic(path: str, text: str) -> None:
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -86,6 +131,7 @@ class SnapshotStore:
         self.base_dir, self.rank = base_dir, rank
         self.dir = job_dir(self.job, base_dir)
         self._segs: dict[int, ShmSegment] = {}
+        self._reported: set = set()  # (path, why) already said: one line per bad file
 
     def _name(self, slot: int, ext: str) -> str:
         return f"rank{self.rank}.slot{slot}.{ext}"
@@ -93,19 +139,38 @@ class SnapshotStore:
     def _path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
+    def _read(self, path: str, what: str) -> dict | None:
+        """A sealed file's content, or None when it is missing or not whole (reported
+        once per file and reason)."""
+        try:
+            obj, why = read_sealed(path)
+        except OSError:
+            return None
+        if why is not None and (path, why) not in self._reported:
+            self._reported.add((path, why))
+            from reft_ext.snapshot import reft_print  # (snapshot imports this module)
+
+            reft_print(f"rank {self.rank}: {path} {why}: {what}")
+        return obj
+
     # ---- writing --------------------------------------------------------------
     def committed(self) -> dict | None:
-        try:
-            return json.load(open(self._path(f"rank{self.rank}.committed")))
-        except (OSError, ValueError):
-            return None
+        return self._read(self._path(f"rank{self.rank}.committed"),
+                          "commit pointer ignored on this rank (the newest commit of the "
+                          "other ranks decides)")
 
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """Open a slot for writing, never the committed one: an empty (or torn) slot
         first, else the oldest snapshot's. Its manifest goes first, so the slot reads as
         empty until :meth:`finish`."""
         c = self.committed()
-        current = c["slot"] if c and c["slot"] in self.slots else None
+        current = c.get("slot") if c and c.get("slot") in self.slots else None
+        if current is None and c is None:
+            # no readable pointer (a fresh store, or a corrupt one): keep the newest
+            # complete snapshot, which may be the committed one, and write another slot
+            done = self.manifests()
+            if done:
+                current = max(done, key=lambda s: int(done[s].get("iteration", -1)))
         # ring order after the committed slot: filling the empty slots in this order
         # keeps it, so when none is empty the next in ring order is the oldest (no
         # manifest has to be read on this per-iteration path, only stat'ed)
@@ -156,12 +221,12 @@ class SnapshotStore:
 
     def finish(self, slot: int, manifest: dict) -> None:
         """The slot is complete on this rank (not yet job-wide)."""
-        _write_atomic(self._path(self._name(slot, "json")), json.dumps(manifest))
+        _write_atomic(self._path(self._name(slot, "json")), sealed(manifest))
 
     def commit(self, slot: int, iteration: int) -> None:
         """Every rank finished this iteration's snapshot: it is the one to keep."""
         _write_atomic(self._path(f"rank{self.rank}.committed"),
-                      json.dumps({"slot": slot, "iteration": iteration}))
+                      sealed({"slot": slot, "iteration": iteration}))
 
     def discard_newer(self, iteration: int) -> None:
         """A rollback to ``iteration``: snapshots after it are dropped (their manifests go,
@@ -178,12 +243,14 @@ class SnapshotStore:
 
     # ---- reading --------------------------------------------------------------
     def manifests(self) -> dict[int, dict]:
-        """slot -> manifest, for every slot whose manifest exists and parses."""
+        """slot -> manifest, for every slot whose manifest exists and is whole (a
+        manifest that fails its checksum leaves its slot torn on this rank)."""
         out = {}
         for slot in self.slots:
-            try:
-                m = json.load(open(self._path(self._name(slot, "json"))))
-            except (OSError, ValueError):
+            m = self._read(self._path(self._name(slot, "json")),
+                           f"slot {slot} treated as torn on this rank (peers' redundancy "
+                           f"or the persistent checkpoint replaces it)")
+            if m is None:
                 continue
             if ShmSegment.exists(self.job, self._name(slot, "bin"), base_dir=self.base_dir):
                 out[slot] = m

@@ -25,10 +25,24 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.training import optimizer_state
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
+from reft_ext.identity import differences, stamp
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# what makes a state a run's (reft_ext/identity.py): model shape, layout, optimizer
+# sharding, precision, seed, data, global batch; not the DP size (an elastic shrink)
+IDENTITY_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                   "ffn_hidden_size", "seq_length", "padded_vocab_size",
+                   "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "virtual_pipeline_model_parallel_size", "use_distributed_optimizer",
+                   "bf16", "seed", "data_path", "mock_data", "split", "global_batch_size")
 CHECKPOINT_VERSION = 1
 OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def run_identity(args) -> dict:
+    """The identity fields of this run (checkpoints carry them; REFT's snapshots add the
+    protection and the failure domains)."""
+    return {k: getattr(args, k, None) for k in IDENTITY_FIELDS}
 
 
 class CheckpointError(RuntimeError):
@@ -107,6 +121,8 @@ def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_opt
         # every rank's own generators: exact resume needs them even where DP ranks differ
         sd["rng_state"] = _per_rank_object("rng_state", state.rng_state(), saved_dp)
     sd["train_state"] = {**state.counters(), "extra": json.dumps(state.extra)}
+    if not is_loading:  # read back from common.pt before the load (Checkpointer.load)
+        sd["identity"] = stamp(run_identity(args))
     sd["args"] = {"tensor_model_parallel_size": args.tensor_model_parallel_size,
                   "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                   "num_layers": args.num_layers, "hidden_size": args.hidden_size,
@@ -228,7 +244,10 @@ class Checkpointer:
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
             raise CheckpointError(f"--load {root}: {TRACKER} names iteration {it} but "
                                   f"{path} is missing or incomplete")
-        t0 = time.time()
+        # timed as REFT-load times itself (reft_ext/recovery.py): after a barrier, so the
+        # ranks' arrival skew is not counted, and reported as the slowest rank's time
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
         load_optim, load_rng = not args.no_load_optim, not args.no_load_rng
         try:  # the layout first, from the small common file: a clear error, no big reads
             common = dist_checkpointing.load_common_state_dict(path)
@@ -236,6 +255,7 @@ class Checkpointer:
             raise CheckpointError(f"--load {root}: cannot read {path}/common.pt: "
                                   f"{type(exc).__name__}: {exc}") from exc
         self._check_layout(common.get("args", {}), path)
+        self._warn_other_run(common, path)
         saved_dp = common.get("args", {}).get("data_parallel_size", args.data_parallel_size)
         if saved_dp != args.data_parallel_size:  # megatron-core reshards params, and the
             # distributed optimizer's dp_reshardable format, in the DP dimension
@@ -265,8 +285,30 @@ class Checkpointer:
         state.set_counters(loaded["train_state"])
         state.extra = json.loads(loaded["train_state"].get("extra", "{}"))
         self.latest = state.iteration
-        print_rank_0(f"loaded checkpoint {path} at iteration {it} [{time.time() - t0:.2f} s]")
+        secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                            device="cuda" if torch.cuda.is_available() else "cpu")
+        torch.distributed.all_reduce(secs, op=torch.distributed.ReduceOp.MAX)
+        print_rank_0(f"loaded checkpoint {path} at iteration {it} "
+                     f"[{secs.item():.3f} s, slowest rank]")
         return True
+
+    def _warn_other_run(self, common: dict, path: str) -> None:
+        """A checkpoint saved by a run of other settings (seed, data, batch...) is loaded
+        as asked (fine-tuning or changing a run from a checkpoint is normal Megatron use),
+        but said in one line. Checkpoints saved before identities existed: no line."""
+        saved = common.get("identity")
+        mine = run_identity(self.args)
+        if not saved or saved.get("fingerprint") == stamp(mine)["fingerprint"]:
+            return
+        try:
+            run = json.loads(common["train_state"]["extra"]).get("run_id")
+        except (KeyError, TypeError, ValueError):
+            run = None
+        diff = differences(mine, saved.get("fields", {}))
+        print_rank_0(f"[REFT] warning: --load {path} was saved by "
+                     f"{f'run {run}' if run else 'a run'} of other settings ("
+                     f"{'; '.join(diff) if diff else 'another fingerprint'}): loading it "
+                     f"as asked")
 
     def _check_layout(self, saved: dict, path: str) -> None:
         a = self.args

@@ -11,7 +11,19 @@ fault really fired. MODE (REFT runs):
 
 * ``node``: the rank's failure domain loses its shared memory too (a lost node);
 * ``snapshot``: the kill lands halfway through writing iteration ITER's snapshot;
-* ``corrupt``: one byte of the rank's last committed snapshot is flipped first.
+* ``corrupt``: one byte of the rank's last committed snapshot (its own slice) is
+  flipped first;
+* ``corrupt-replica``: one byte of the ARC replica the rank holds in that snapshot (its
+  redundancy region: the slice of the next member of its sharding group) is flipped;
+* ``corrupt-manifest``: that snapshot's manifest is rewritten, still valid JSON, with one
+  value changed (the restored consumed-samples counter one global batch ahead) and its
+  stored checksum kept;
+* ``corrupt-committed``: the rank's commit pointer is rewritten the same way, naming the
+  iteration after the committed one.
+
+With SIGNAL ``CONT`` (a signal that does not stop the process) a corrupt mode only
+corrupts: the rank trains on, and the damage lies in host memory until a later
+recovery reads it (two corruptions on two ranks, one kill: no race between them).
 """
 
 from __future__ import annotations
@@ -23,9 +35,10 @@ import time
 from dataclasses import dataclass
 
 
-MODES = ("", "node", "snapshot", "corrupt")
+CORRUPT_MODES = ("corrupt", "corrupt-replica", "corrupt-manifest", "corrupt-committed")
+MODES = ("", "node", "snapshot", *CORRUPT_MODES)
 NODE_LOSS_CALLBACKS: list = []  # registered by REFT: wipe the failure domain's memory
-CORRUPT_CALLBACKS: list = []    # registered by REFT: flip a byte of the last snapshot
+CORRUPT_CALLBACKS: list = []    # registered by REFT: cb(mode) damages the last snapshot
 
 
 @dataclass(frozen=True)
@@ -50,7 +63,8 @@ def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
     if not attempt.isdigit():
         raise ArgumentError(f"--inject-fault: ATTEMPT must be an integer, got {attempt!r}")
     if mode not in MODES:
-        raise ArgumentError(f"--inject-fault: unknown mode {mode!r} (node, snapshot, corrupt)")
+        raise ArgumentError(f"--inject-fault: unknown mode {mode!r} "
+                            f"({', '.join(m for m in MODES if m)})")
     try:
         rank, iteration = int(parts[0]), int(parts[1])
     except ValueError:
@@ -97,9 +111,9 @@ def fire(spec: FaultSpec, when: str) -> None:
     if spec.mode == "node":
         for cb in NODE_LOSS_CALLBACKS:
             cb()
-    if spec.mode == "corrupt":
+    if spec.mode in CORRUPT_MODES:
         for cb in CORRUPT_CALLBACKS:
-            cb()
+            cb(spec.mode)
     name = signal.Signals(spec.signal).name
     from megatron.training.utils import emit  # (imports torch: not at flag parsing)
 

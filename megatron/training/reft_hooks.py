@@ -3,6 +3,8 @@ and REFT-load at start-up."""
 
 from __future__ import annotations
 
+import errno
+import json
 import math
 import os
 import shutil
@@ -13,14 +15,16 @@ from megatron.core import parallel_state as mpu
 
 from megatron.training import fault_injection, optimizer_state
 from megatron.training.train_state import TrainingState
+from megatron.training.utils import emit
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.identity import refuse_other_runs
 from reft_ext import status as node_status
 from reft_ext import summary
 from reft_ext.rollback import RollbackConfig, RollbackError, SpikeDetector
 from reft_ext.recovery import recover
-from reft_ext.shm import job_dir
+from reft_ext.shm import ShmDirError, ensure_private_dir, job_dir
 from reft_ext.snapshot import ReftSnapshotter, reft_print
+from reft_ext.store import from_jsonable, to_jsonable
 
 
 def _all_dp_groups() -> list[list[int]]:
@@ -77,14 +81,10 @@ class MegatronStateAdapter:
     def identity(self) -> dict:
         """What makes a state this run's (reft_ext/identity.py): not the DP size, which an
         elastic shrink changes."""
-        a = self.args
-        fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                  "ffn_hidden_size", "seq_length", "padded_vocab_size",
-                  "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "virtual_pipeline_model_parallel_size", "use_distributed_optimizer",
-                  "bf16", "seed", "data_path", "mock_data", "split", "global_batch_size",
-                  "reft_protect")
-        out = {k: getattr(a, k, None) for k in fields}
+        from megatron.training.checkpointing import run_identity
+
+        out = run_identity(self.args)  # + what makes host memory's layout this run's
+        out["reft_protect"] = getattr(self.args, "reft_protect", None)
         out["reft_ranks_per_node"] = self.ranks_per_node
         return out
 
@@ -106,12 +106,13 @@ class ReftHook:
         # a fresh optimizer has no Adam state yet: create it so the layout is final
         optimizer_state.ensure_adam_state(state.optimizer)
         self.adapter = MegatronStateAdapter(state, args)
+        self._check_shm_dir()
         self.snap = ReftSnapshotter(self.cfg, self.adapter, events)
         self.faults = [f for f in faults if f.rank == self.adapter.rank]
         if any(f.mode == "snapshot" for f in self.faults):
             self.snap.fault = self._fault_in_snapshot
         fault_injection.NODE_LOSS_CALLBACKS.append(self.wipe_node)
-        fault_injection.CORRUPT_CALLBACKS.append(self.corrupt_own_slice)
+        fault_injection.CORRUPT_CALLBACKS.append(self.corrupt)
         self.heartbeat = None  # --reft-hang-timeout (reft_ext/heartbeat.py), from on_start
         self.state = state
         self.args = args
@@ -119,6 +120,24 @@ class ReftHook:
         self.detector = SpikeDetector(self.rollback_cfg)
         self._t_step: float | None = None
         self.iteration_s: list[float] = []  # this process's iteration times (summary)
+
+    def _check_shm_dir(self) -> None:
+        """Before any segment exists: each rank's failure-domain directory must be this
+        user's own (another user's, e.g. another job under the same --reft-job-id, is
+        never written into). Job-wide, so every rank stops with the same one line
+        instead of the others hanging in their next collective."""
+        a = self.adapter
+        d = job_dir(f"{self.cfg.job_id}-node{self.cfg.node_of(a.rank)}", self.cfg.shm_dir)
+        try:
+            ensure_private_dir(d)
+            why = None
+        except ShmDirError as exc:
+            why = str(exc)
+        seen = [None] * a.world_size
+        torch.distributed.all_gather_object(seen, why, group=a.control_group)
+        why = next((w for w in seen if w), None)
+        if why:
+            raise ShmDirError(errno.EACCES, why)
 
     def recover(self, persistent_iteration):
         # another run's snapshots (same --reft-job-id, other seed/model/data...): refuse
@@ -297,14 +316,52 @@ class ReftHook:
         shutil.rmtree(d, ignore_errors=True)
         reft_print(f"[FAULT] wiped failure domain {self.cfg.node_of(self.adapter.rank)} ({d})")
 
-    def corrupt_own_slice(self):
-        """Flip one byte of this rank's committed snapshot (its own slice)."""
-        c = self.snap.store.committed()
+    def corrupt(self, mode: str):
+        """--inject-fault ...:corrupt*: damage this rank's committed snapshot (tests).
+        The bytes are mapped shared on a tmpfs: the change is what any process reads
+        from now on, a kill right after does not lose it."""
+        store, snap = self.snap.store, self.snap
+        c = store.committed()
         if c is None:
             return
-        data = self.snap.store.data(c["slot"], self.snap.nbytes)
-        off, n = self.snap.regions["own"]
-        data[off + n // 2] ^= 0xFF
-        os.sync()
-        reft_print(f"[FAULT] flipped a byte of rank {self.adapter.rank}'s snapshot of "
-                   f"iteration {c['iteration']}")
+        slot, it, who = c["slot"], int(c["iteration"]), f"rank {self.adapter.rank}'s"
+        if mode in ("corrupt", "corrupt-replica"):
+            region = "own" if mode == "corrupt" else "redundancy"
+            off, n = snap.regions[region]
+            if n == 0:
+                emit(f"[FAULT] {who} snapshot has no {region} region: nothing flipped")
+                return
+            store.data(slot, snap.nbytes)[off + n // 2] ^= 0xFF
+            if mode == "corrupt":
+                emit(f"[FAULT] flipped a byte of {who} snapshot of iteration {it}")
+            else:
+                a = self.adapter
+                peer = a.dp_ranks[(a.dp_ranks.index(a.rank) + 1) % len(a.dp_ranks)]
+                held = f"ARC replica of rank {peer}'s slice" if snap.protection.name == \
+                    "arc" else f"{snap.protection.name} redundancy block"
+                emit(f"[FAULT] flipped a byte of {who} {held} in its snapshot of "
+                     f"iteration {it}")
+            return
+        # still valid JSON, one value changed, the stored checksum (self_sha256) kept:
+        # only the file's own checksum can tell
+        if mode == "corrupt-manifest":
+            path = store._path(store._name(slot, "json"))
+            with open(path) as f:
+                m = json.load(f)
+            meta = from_jsonable(m["meta"])
+            counters = meta["counters"]
+            was = counters["consumed_train_samples"]
+            counters["consumed_train_samples"] = was + self.args.global_batch_size
+            m["meta"] = to_jsonable(meta)
+            change = (f"consumed_train_samples {was} -> "
+                      f"{counters['consumed_train_samples']} in {who} manifest {path} of "
+                      f"iteration {it}")
+        else:  # corrupt-committed
+            path = store._path(f"rank{self.adapter.rank}.committed")
+            with open(path) as f:
+                m = json.load(f)
+            m["iteration"] = it + 1
+            change = f"{who} commit pointer {path}: iteration {it} -> {it + 1}"
+        with open(path, "w") as f:
+            json.dump(m, f)
+        emit(f"[FAULT] changed {change} (checksum kept)")
