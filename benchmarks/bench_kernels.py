@@ -9,15 +9,21 @@ warm-up.  Methods are timed round-robin (one run of each method, then the next
 round) so that load from other processes on a shared machine spreads over all
 rows instead of hitting one.
 
-Ratios printed under the table (targets from the issue):
+numpy runs on one thread; torch runs with --threads intra-op threads (set here, and
+named in its rows), as do the "allT" rows of the engine.
+
+Ratios printed under the table (targets from the issue), like with like: the same
+number of threads on both sides unless the row says otherwise:
   copy 1T / numpy copyto         >= 0.9   (numpy copyto is this machine's memcpy)
-  copy allT / numpy copyto       >  1.0
-  XOR k=2 allT / numpy xor       >= 1.5   (numpy's 2-input bitwise_xor, per output byte)
-  XOR k allT / traffic bound     >= 0.8
+  copy allT / copy 1T            >  1.0   (more threads help)
+  XOR k 1T / numpy xor           >= 1.5   (numpy's 2-input bitwise_xor, per output byte;
+                                           one thread each)
+  XOR k allT / torch xor allT             (torch's bitwise_xor on as many threads)
+  XOR k nT / traffic bound nT    >= 0.8
 The traffic bound of a k-member encode is what the memory system can give it:
 an encode reads k bytes and writes 1 per output byte, a copy reads 1 and writes
-1, so with the best copy rate B measured in the same column (any method, any
-thread count) bound_k = B * 2 / (k + 1).  See docs/csrc.md.
+1, so with B_n the best copy rate measured in the same column on n threads
+bound_k = B_n * 2 / (k + 1).  See docs/csrc.md.
 """
 
 from __future__ import annotations
@@ -72,11 +78,11 @@ def methods(n: int, ks: list[int], threads: int):
     eng1, engn = CopyEngine(num_threads=1), CopyEngine(num_threads=threads)
     rows = [
         ("numpy copyto", lambda: np.copyto(out, srcs[0])),
-        ("torch copy_", lambda: to.copy_(ts[0])),
+        (f"torch copy_ {threads}T", lambda: to.copy_(ts[0])),
         ("engine copy 1T", lambda: eng1.submit([(ts[0], to, 0, 0, n)]).wait()),
         (f"engine copy {threads}T", lambda: engn.submit([(ts[0], to, 0, 0, n)]).wait()),
         ("numpy bitwise_xor", lambda: np.bitwise_xor(srcs[0], srcs[1], out=out)),
-        ("torch bitwise_xor", lambda: torch.bitwise_xor(ts[0], ts[1], out=to)),
+        (f"torch bitwise_xor {threads}T", lambda: torch.bitwise_xor(ts[0], ts[1], out=to)),
     ]
     for k in ks:
         rows.append((f"XOR encode k={k} 1T",
@@ -117,9 +123,11 @@ def main(argv=None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     ks = [int(k) for k in args.ks.split(",") if k]
     threads = args.threads or _native.num_cpus()
+    torch.set_num_threads(threads)  # torch's rows: the same thread count as "allT"
 
     info = _native.info()
-    print(f"# {cpu_model()} | {os.cpu_count()} CPUs, {threads} used | python "
+    print(f"# {cpu_model()} | {os.cpu_count()} CPUs, {threads} used (torch "
+          f"{torch.get_num_threads()} threads, numpy 1) | python "
           f"{platform.python_version()} | numpy {np.__version__} | torch {torch.__version__}")
     print(f"# native: {info.get('build', info.get('reason'))}")
     print(f"# GB/s (1e9 B/s) of bytes written, median of {args.repeats}; "
@@ -130,7 +138,7 @@ def main(argv=None) -> int:
         for n in sizes:
             cols.append(bench_size(n, ks, threads, args.repeats, bar))
     names = list(cols[0])
-    w = max(len(x) for x in names + [f"XOR k={max(ks)} {threads}T / numpy xor"]) + 2
+    w = max(len(x) for x in names + [f"XOR k={max(ks)} {threads}T / torch xor {threads}T"]) + 2
     header = "method".ljust(w) + "".join(fmt_size(n).rjust(11) for n in sizes)
     print(header)
     print("-" * len(header))
@@ -142,17 +150,25 @@ def main(argv=None) -> int:
 
     print("-" * len(header))
     ratio_row("copy 1T / numpy copyto", lambda c: c["engine copy 1T"] / c["numpy copyto"])
-    ratio_row(f"copy {threads}T / numpy copyto",
-              lambda c: c[f"engine copy {threads}T"] / c["numpy copyto"])
-    copy_rows = ["numpy copyto", "torch copy_", "engine copy 1T", f"engine copy {threads}T"]
+    ratio_row(f"copy {threads}T / copy 1T",
+              lambda c: c[f"engine copy {threads}T"] / c["engine copy 1T"])
+    # the traffic bound per thread count: the best copy on as many threads
+    copies = {1: ["numpy copyto", "engine copy 1T"],
+              threads: [f"torch copy_ {threads}T", f"engine copy {threads}T"]}
     for k in ks:
-        ratio_row(f"XOR k={k} {threads}T / numpy xor",
-                  lambda c, k=k: c[f"XOR encode k={k} {threads}T"] / c["numpy bitwise_xor"])
+        ratio_row(f"XOR k={k} 1T / numpy xor",
+                  lambda c, k=k: c[f"XOR encode k={k} 1T"] / c["numpy bitwise_xor"])
     for k in ks:
-        ratio_row(f"XOR k={k} {threads}T / bound",
+        ratio_row(f"XOR k={k} {threads}T / torch xor {threads}T",
                   lambda c, k=k: c[f"XOR encode k={k} {threads}T"]
-                  / (max(c[r] for r in copy_rows) * 2 / (k + 1)))
-    print(f"# loadavg at end {os.getloadavg()[0]:.2f}; bound_k = best copy row * 2/(k+1)")
+                  / c[f"torch bitwise_xor {threads}T"])
+    for n in sorted(copies):
+        for k in ks:
+            ratio_row(f"XOR k={k} {n}T / bound {n}T",
+                      lambda c, k=k, n=n: c[f"XOR encode k={k} {n}T"]
+                      / (max(c[r] for r in copies[n]) * 2 / (k + 1)))
+    print(f"# loadavg at end {os.getloadavg()[0]:.2f}; bound_k nT = best copy row on n "
+          f"threads * 2/(k+1)")
     return 0
 
 

@@ -8,7 +8,12 @@ Per case one torchrun; inside it every method takes turns in blocks of ``--block
 iterations (A A A A B B B B ... repeated ``--cycles`` times; see overhead_probe.py), so all
 methods share processes, model and machine state. A block's first iteration absorbs the
 hand-over and is not counted. Medians over the counted iterations (slowest rank per
-iteration). Cases:
+iteration); "paired" is the median over the cycles of each cycle's ratio to the plain
+run's blocks of the same cycle (neighbours in time: robust to a machine whose load drifts
+during the run). Overheads are against "none", a plain run: no snapshot and none of the
+pipeline-event instrumentation HAS installs (the trainer installs it only with
+--reft-snapshot-every or --reft-trace-file); "instrumented" is that instrumentation alone
+(every other method runs with it). Cases:
 
   pp2     2 ranks, PP2, OMP_NUM_THREADS=1 (a core per rank: bubbles are idle time)
   dp2     2 ranks, DP2 with ZeRO-1, OMP_NUM_THREADS=1 (arc/aec need DP >= 2)
@@ -43,7 +48,8 @@ MODEL = ["--num-layers", "6", "--hidden-size", "768", "--num-attention-heads", "
          "NullTokenizer", "--vocab-size", "2048", "--micro-batch-size", "1", "--lr", "1e-4",
          "--lr-warmup-iters", "2", "--log-interval", "1000", "--eval-iters", "0",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
-BASELINES = ["none", "end-of-iteration", "host-thread", "dcp-async", "mcore-async"]
+BASELINES = ["none", "instrumented", "end-of-iteration", "host-thread", "dcp-async",
+             "mcore-async"]
 CASES = {
     "pp2": dict(nproc=2, layout=["--pipeline-model-parallel-size", "2",
                                  "--global-batch-size", "2"],
@@ -53,8 +59,8 @@ CASES = {
                                                     "has-aor", "has-arc+aor"]),
     "pp2dp2": dict(nproc=4, layout=["--pipeline-model-parallel-size", "2",
                                     "--use-distributed-optimizer", "--global-batch-size", "4"],
-                   protect="arc", methods=["none", "end-of-iteration", "host-thread",
-                                           "has-arc"]),
+                   protect="arc", methods=["none", "instrumented", "end-of-iteration",
+                                           "host-thread", "has-arc"]),
     # The normal (compute-bound) regime for AOR: the replica's Adam runs on the host while
     # the owner computes. On a GPU node the host cores are idle during the GPU's passes; on
     # this 2-core machine the only core is the rank's own, so the replica costs what one
@@ -67,8 +73,8 @@ CASES = {
                                "--ffn-hidden-size", "1408", "--seq-length", "1024",
                                "--max-position-embeddings", "1024"],
                         protect="arc", regime="compute",
-                        methods=["none", "end-of-iteration", "has-arc", "has-aor",
-                                 "has-arc+aor"]),
+                        methods=["none", "instrumented", "end-of-iteration", "has-arc",
+                                 "has-aor", "has-arc+aor"]),
 }
 
 
@@ -85,17 +91,31 @@ def run_case(name: str, cycles: int, block: int, timeout: float = 1500) -> dict:
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout)
-    finally:  # snapshots and checkpoints of this case, also after a failed run
+    finally:  # snapshots, checkpoints and node status files of this case, also after a
+        # failed run (status files are files: rmtree alone left them behind)
         for entry in os.listdir("/dev/shm"):
             if job in entry:
-                shutil.rmtree(os.path.join("/dev/shm", entry), ignore_errors=True)
+                p = os.path.join("/dev/shm", entry)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    try:
+                        os.remove(p)
+                    except FileNotFoundError:
+                        pass
     m = re.search(r"\[BENCH\] (.*)", proc.stdout)
     if proc.returncode or not m:
         sys.exit(f"case {name} failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-3000:]}")
     return json.loads(m.group(1))
 
 
-def table(name: str, res: dict) -> None:
+def cycle_medians(values: list, cycles: int) -> list:
+    """Medians of each cycle's counted iterations (the list is in cycle order)."""
+    n = len(values) // cycles
+    return [statistics.median(values[i * n:(i + 1) * n]) for i in range(cycles)] if n else []
+
+
+def table(name: str, res: dict, cycles: int) -> None:
     r = res["results"]
     base = statistics.median(r["none"]["iter_ms"])
     c = CASES[name]
@@ -104,23 +124,42 @@ def table(name: str, res: dict) -> None:
     print(f"\n## {name}: {c['nproc']} ranks, {' '.join(c['layout'])}"
           f"{'' if judged else '  (oversubscribed: 4 ranks on 2 cores, not judged)'}")
     print("snapshot per rank: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in mib.items()))
-    print(f"{'method':18s} {'median ms/iter':>15s} {'overhead':>9s} "
-          f"{'blocking ms/snapshot (median)':>30s} {'n':>4s}")
+    plain = cycle_medians(r["none"]["iter_ms"], cycles)
+
+    def paired(m):  # median over cycles of (method / plain run) in the same cycle
+        return statistics.median(x / p for x, p in zip(cycle_medians(r[m]["iter_ms"], cycles),
+                                                       plain))
+
+    print(f"{'method':20s} {'median ms/iter':>15s} {'overhead':>9s} {'paired':>8s} "
+          f"{'blocking ms/snapshot':>21s} {'n':>3s}   medians per cycle")
     for m in c["methods"]:
         it, bl = r[m]["iter_ms"], r[m]["blocked_ms"]
         med = statistics.median(it)
-        print(f"{m:18s} {med:15.1f} {100 * (med / base - 1):8.1f}% "
-              f"{statistics.median(bl):30.1f} {len(it):4d}")
+        print(f"{m:20s} {med:15.1f} {100 * (med / base - 1):+8.1f}% "
+              f"{100 * (paired(m) - 1):+7.1f}% {statistics.median(bl):21.1f} {len(it):3d}   "
+              + " ".join(f"{x:.0f}" for x in cycle_medians(it, cycles)))
+    print("| method | median ms/iter | vs plain run | paired | blocking ms/snapshot |\n"
+          "|---|---|---|---|---|")
+    for m in c["methods"]:  # the same rows for the docs
+        med = statistics.median(r[m]["iter_ms"])
+        vs = "-" if m == "none" else f"{100 * (med / base - 1):+.1f}%"
+        pr = "-" if m == "none" else f"{100 * (paired(m) - 1):+.1f}%"
+        print(f"| {m} | {med:.1f} | {vs} | {pr} | "
+              f"{statistics.median(r[m]['blocked_ms']):.1f} |")
     eoi = statistics.median(r["end-of-iteration"]["iter_ms"])
     need = "" if c.get("regime") == "compute" else " (the GPU-like regime needs >= 20%)"
     print(f"blocking end-of-iteration snapshot costs {100 * (eoi / base - 1):.1f}% of an "
           f"iteration{need}")
     has = [m for m in c["methods"] if m.startswith("has-")]
-    others = [m for m in c["methods"] if m not in has and m != "none"]
+    others = [m for m in c["methods"] if m not in has and m not in ("none", "instrumented")]
     best_base = min(statistics.median(r[m]["iter_ms"]) for m in others)
+    if len(plain) > 1:  # what identical blocks of the plain run differ by: the noise
+        print(f"noise: the plain run's {cycles} cycle medians differ by up to "
+              f"{100 * (max(plain) / min(plain) - 1):.1f}%")
     for m in has:
         med = statistics.median(r[m]["iter_ms"])
-        print(f"{m}: {100 * (med / base - 1):+.1f}% vs no snapshot "
+        print(f"{m}: {100 * (med / base - 1):+.1f}% (paired {100 * (paired(m) - 1):+.1f}%) vs "
+              f"the plain run "
               f"(goal <= 3%, moonshot 1%), {100 * (med / best_base - 1):+.1f}% vs the best "
               f"baseline")
 
@@ -142,7 +181,7 @@ def main():
             res = run_case(name, a.cycles, a.block)
             bar.update()
             with bar.paused():
-                table(name, res)
+                table(name, res, a.cycles)
 
 
 if __name__ == "__main__":

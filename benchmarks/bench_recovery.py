@@ -2,13 +2,19 @@
 checkpoint of the same iteration on local disk, in one run, plus the end-to-end split of
 a restart (kill -> first iteration), and of a real node loss.
 
-    python benchmarks/bench_recovery.py [--layers 24 --hidden 512] [--repeats 1]
+    python benchmarks/bench_recovery.py [--layers 24 --hidden 512] [--repeats 3]
                                         [--parts restore,node-loss]
 
 restore: each scenario is a real 4-rank torchrun job (TP1 x PP2 x DP2, non-distributed
 Adam) that snapshots every iteration and checkpoints at iteration 2; rank 1 is SIGKILLed
 when iteration 3 begins (node-loss variants also wipe its shared memory) and torchrun
-restarts the job. Restore times are the slowest rank's, as printed by the trainer.
+restarts the job. The persistent rows load that job's checkpoint of the same iteration in
+a new job, its files first read into the page cache, then evicted (POSIX_FADV_DONTNEED,
+checked with mincore(2): benchmarks/page_cache.py). Both sides are timed the same way by
+the trainer: the clock starts after a barrier (the ranks' arrival skew is not counted) and
+the figure is the slowest rank's (REFT-load: reft_ext/recovery.py; the persistent load:
+megatron/training/checkpointing.py). The five sources take turns (A B C D E A B C D E
+...), medians over --repeats.
 
 node-loss: the same model and layout on 4 torchrun agents of one rank each
 (tools/launch_nodes.py). Rank 1 freezes before its optimizer step of iteration 3, then
@@ -16,15 +22,18 @@ its node is lost as a whole (agent and worker SIGKILLed, shared memory removed) 
 agent takes its slot; the survivors' agents see their workers fail, everyone
 re-rendezvouses and REFT-load rebuilds rank 1's state (arc, aec, aec+aor with ZeRO-1),
 or, without REFT, all ranks load the persistent checkpoint of iteration 2 (its pages
-evicted at the kill: a cold read). The split comes from when each line appeared in the
-logs (polled every 10 ms; agents run with LOGLEVEL=INFO) and from rank 0's own figures:
+evicted at the kill and checked to be out of the page cache: a cold read). The split
+comes from when each line appeared in the logs (polled every 10 ms; agents run with
+LOGLEVEL=INFO) and from the trainer's own figures:
 detect (kill -> rank 0's agent starts restarting: its worker failed, or the replacement
 agent joined first), stop (-> the old workers are stopped), rendezvous (-> the new
 workers start: includes the replacement agent's start), start-up (imports, process-group
-init, model and optimizer), prepare (REFT's set-up before the restore: snapshot store
-(re)allocation, groups, waiting for the slowest rank), load (REFT-load's verification,
-agreement and exchange; or the checkpoint read), decode (AEC parity decode), rebuild
-(state written back into the model and optimizer, data iterators) -> first iteration.
+init, model and optimizer), prepare (before the timed restore: REFT's snapshot store
+(re)allocation and groups, the tracker read, waiting for the slowest rank), load (the
+slowest rank's restore after a barrier, the same rule on both sides: REFT-load's
+verification, agreement, exchange and write-back into model and optimizer, less the
+decode; or the checkpoint read into model and optimizer), decode (AEC parity decode, the
+slowest rank's), rebuild (data iterators, on_start) -> first iteration.
 "restart" in the usual sense is stop + start-up.
 """
 
@@ -43,6 +52,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks import page_cache  # noqa: E402
 from reft_ext.progress import Progress  # noqa: E402
 from tools.launch_nodes import LaunchConfig, NodeLauncher  # noqa: E402
 
@@ -72,17 +82,14 @@ def _first(lines, pattern, after=0.0):
     return None, None
 
 
-def drop_page_cache(path):
-    """Evict a checkpoint's files from the page cache (fsync + POSIX_FADV_DONTNEED, no
-    root needed), so loading it really reads the disk."""
-    for d, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+def drop_page_cache(path) -> tuple[int, int]:
+    """Evict a checkpoint's files from the page cache and return (resident, total) pages
+    as mincore sees them afterwards: a cold read is only reported as one when checked."""
+    got, total = page_cache.drop(path)
+    if got:
+        print(f"  warning: {page_cache.describe(got, total)} of {path} after "
+              f"POSIX_FADV_DONTNEED: that read is partly warm", flush=True)
+    return got, total
 
 
 def scenario(model, ckpt, protect, fault):
@@ -92,6 +99,9 @@ def scenario(model, ckpt, protect, fault):
                     "--inject-fault", fault]
     lines = run(args)
     t_kill, _ = _first(lines, r"\[FAULT\] injecting")
+    if t_kill is None:
+        sys.exit(f"bench_recovery: --inject-fault {fault} never fired ({protect}):\n"
+                 + "".join(ln for _, ln in lines[-40:]))
     ms = [float(m.group(1)) for _, ln in lines
           for m in [re.search(r"\[REFT\] recovered iteration \d+ on rank \d+ from .* in "
                               r"([0-9.]+) ms", ln)] if m]
@@ -185,7 +195,7 @@ COLUMNS = ("detect", "stop", "rendezvous", "start-up", "prepare", "load", "decod
            "total")
 
 
-def node_loss(model, extra, tmp, tag) -> tuple[dict, str, bool]:
+def node_loss(model, extra, tmp, tag, shared=False) -> tuple[dict, str, bool]:
     """One node loss and recovery; returns (split in seconds, rank 1's source, whether
     another job ran on the host meanwhile)."""
     save = os.path.join(tmp, f"{tag}-ckpt")
@@ -197,7 +207,8 @@ def node_loss(model, extra, tmp, tag) -> tuple[dict, str, bool]:
     cfg = LaunchConfig(nnodes=4, nproc_per_node=1, max_restarts=1,
                        log_dir=os.path.join(tmp, f"{tag}-logs"))
     with NodeLauncher(cfg, args, env={"LOGLEVEL": "INFO"}) as L:
-        wait_until_alone(L.job_id)
+        if not shared:
+            wait_until_alone(L.job_id)
         tail = LogTail(L)
         L.start()
         tail.start()
@@ -205,8 +216,10 @@ def node_loss(model, extra, tmp, tag) -> tuple[dict, str, bool]:
         t_kill = time.time()
         L.kill_node(1)
         L.replace_node(1)
+        cached = None
         if extra is None:  # the replacement reads from storage: no page cache to help
-            drop_page_cache(os.path.join(save, "iter_0000002"))
+            got, total = drop_page_cache(os.path.join(save, "iter_0000002"))
+            cached = f"{100 * got / max(total, 1):.1f}% of its pages cached after the kill"
         codes = L.wait(1800)
         tail.done.set()
         tail.join()
@@ -222,41 +235,52 @@ def node_loss(model, extra, tmp, tag) -> tuple[dict, str, bool]:
     marks = [(k, float(v)) for k, v in (p.rsplit(" ", 1) for p in m.group(2).split(", "))]
     names = [k for k, _ in marks]
     t_proc, i_load = t_first - float(m.group(1)), names.index("load")
-    load, (prepare, decode, write_back) = marks[i_load][1], (0.0, 0.0, 0.0)
-    src = "persistent checkpoint"
-    if extra is not None:  # rank 0's own REFT-load figures, measured after the arrival
-        _, r = tail.first(r"\[REFT\] recovered iteration 2 on rank 0 .*\[this rank: verify"
-                          r"\+agree ([0-9]+), exchange ([0-9]+), rebuild ([0-9]+), write back "
-                          r"([0-9]+) ms\]", t_kill, node=0)
-        verify, exchange, decode, write_back = (int(x) / 1e3 for x in r.groups())
-        prepare, load = load - (verify + exchange + decode + write_back), verify + exchange
+    # both sides' restore as the trainer times it: after a barrier, the slowest rank
+    decode = 0.0
+    if extra is None:
+        _, r = tail.first(r"loaded checkpoint .* at iteration 2 \[([0-9.]+) s, slowest rank\]",
+                          t_kill, node=0)
+        restore, src = float(r.group(1)), f"persistent checkpoint ({cached})"
+    else:
+        _, r = tail.first(r"\[REFT\] recovery: iteration 2 restored on \d+ ranks from .* in "
+                          r"([0-9.]+) ms", t_kill, node=0)
+        restore = float(r.group(1)) / 1e3
+        decode = max((int(d.group(1)) / 1e3 for t, _, ln in tail.lines if t >= t_kill
+                      for d in [re.search(r"recovered iteration 2 on rank \d+ .*, rebuild "
+                                          r"([0-9]+), write back", ln)] if d), default=0.0)
         src = tail.first(r"recovered iteration 2 on rank 1 from (.*?) \(", t_kill)[1].group(1)
     split = {"detect": t_fail - t_kill, "stop": t_stop - t_fail, "rendezvous": t_proc - t_stop,
-             "start-up": sum(v for _, v in marks[:i_load]), "prepare": prepare,
-             "load": load, "decode": decode,
-             "rebuild": write_back + sum(v for _, v in marks[i_load + 1:]) +
+             "start-up": sum(v for _, v in marks[:i_load]),
+             "prepare": marks[i_load][1] - restore, "load": restore - decode, "decode": decode,
+             "rebuild": sum(v for _, v in marks[i_load + 1:]) +
              (t_first - t_proc - sum(v for _, v in marks)),
              "total": t_first - t_kill}
     return split, src, tail.disturbed
 
 
 def node_loss_part(model, a, tmp, bar):
-    rows, sources = {}, {}
+    rows, sources, shared_runs = {}, {}, 0
+    tries = 1 if a.shared_host else 3
     for rep in range(a.repeats):
         for i, (name, extra) in enumerate(NODE_LOSS):
-            for attempt in range(3):  # a run that shared the host is run again
-                split, src, disturbed = node_loss(model, extra, tmp, f"nl{rep}-{i}-{attempt}")
+            for attempt in range(tries):  # a run that shared the host is run again
+                split, src, disturbed = node_loss(model, extra, tmp, f"nl{rep}-{i}-{attempt}",
+                                                  a.shared_host)
                 bar.write(f"  [{name}, repeat {rep + 1}] " + ", ".join(
                     f"{k} {v:.2f}" for k, v in split.items()) +
                     ("" if not disturbed else " (another job ran meanwhile: " +
-                     ("run again)" if attempt < 2 else "kept after 3 tries)")))
+                     ("run again)" if attempt < tries - 1 else f"kept after {tries} "
+                                                                f"tries)")))
                 if not disturbed:
                     break
             rows.setdefault(name, []).append(split)
-            sources[name] = src
+            sources[name], shared_runs = src, shared_runs + disturbed
             bar.update()
     with bar.paused():
         node_loss_table(a, rows, sources)
+        if shared_runs:
+            print(f"{shared_runs} of {len(rows) * a.repeats} runs shared the host with other "
+                  f"torchrun jobs")
 
 
 def node_loss_table(a, rows, sources):
@@ -277,7 +301,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=24, help="1.3B preset's layer count")
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved rounds (medians reported)")
+    ap.add_argument("--shared-host", action="store_true",
+                    help="node-loss: do not wait for other torchrun jobs on this host to end "
+                         "nor run a disturbed run again (their load is in the figures)")
     ap.add_argument("--parts", default="restore,node-loss",
                     help="comma list: restore (memory vs disk), node-loss (end-to-end split)")
     a = ap.parse_args()
@@ -305,8 +333,8 @@ def main():
 
 
 def restore_part(model, a, tmp, bar):
-    rows = {}
-    for rep in range(a.repeats):
+    rows, cache = {}, {}
+    for rep in range(a.repeats):  # interleaved: every source once per round
         for name, protect, fault in [("host memory, own", "arc", "1:3"),
                                      ("host memory, ARC replica", "arc", "1:3:KILL:node"),
                                      ("host memory, AEC decode", "aec", "1:3:KILL:node")]:
@@ -314,36 +342,49 @@ def restore_part(model, a, tmp, bar):
             secs, src, split = scenario(model, ckpt, protect, fault)
             rows.setdefault(name, []).append((secs, split, src))
             bar.update()
-        # the persistent checkpoint of the same iteration (2), loaded on restart (the
+        # the persistent checkpoint of the same iteration (2), loaded by a new job (the
         # job also wrote a final one at 3: point the tracker back at 2)
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("2")
+        it2 = os.path.join(ckpt, "iter_0000002")
         for name, cold in [("persistent checkpoint, page cache", False),
                            ("persistent checkpoint, local disk", True)]:
-            if cold:
-                drop_page_cache(os.path.join(ckpt, "iter_0000002"))
+            got, total = drop_page_cache(it2) if cold else page_cache.warm(it2)
+            cache.setdefault(name, []).append(got / max(total, 1))
             lines = run(model + ["--load", ckpt, "--train-iters", "3"], max_restarts=0)
-            _, m = _first(lines, r"loaded checkpoint .* at iteration 2 \[([0-9.]+) s\]")
+            _, m = _first(lines, r"loaded checkpoint .* at iteration 2 \[([0-9.]+) s, "
+                                 r"slowest rank\]")
             rows.setdefault(name, []).append((float(m.group(1)), None, None))
             bar.update()
     with bar.paused():
-        restore_table(a, rows)
+        restore_table(a, rows, cache)
 
 
-def restore_table(a, rows):
+def restore_table(a, rows, cache):
     state_mb = a.layers * 12 * a.hidden ** 2 * 4 * 3 / 2 ** 20
     print(f"\nrestore of the training state (~{state_mb:.0f} MiB params+Adam, TP1xPP2xDP2, "
-          f"4 ranks; median of {a.repeats}; slowest rank)")
+          f"4 ranks; slowest rank, clock started after a barrier on both sides; "
+          f"{a.repeats} interleaved rounds, median)")
     disk = statistics.median(s for s, _, _ in rows["persistent checkpoint, local disk"])
-    print(f"{'source':36s} {'seconds':>9s} {'speed-up vs local disk':>23s}")
+    print(f"{'source':36s} {'median s':>9s} {'vs local disk':>14s}   every round (s)")
     for name, vals in rows.items():
         sec = statistics.median(s for s, _, _ in vals)
-        print(f"{name:36s} {sec:9.3f} {disk / sec:22.1f}x")
-    print("\nend-to-end recovery of a crash (kill -> first iteration), seconds:")
+        print(f"{name:36s} {sec:9.3f} {disk / sec:13.1f}x   "
+              + " ".join(f"{s:.3f}" for s, _, _ in vals))
+    for name, fr in cache.items():
+        print(f"  {name}: {', '.join(f'{100 * x:.1f}%' for x in fr)} of the checkpoint's "
+              f"pages in the page cache before the load (mincore)")
+    print("| source | median s | vs local disk | every round (s) |\n|---|---|---|---|")
+    for name, vals in rows.items():  # the same table for docs/reft.md
+        sec = statistics.median(s for s, _, _ in vals)
+        print(f"| {name} | {sec:.3f} | {disk / sec:.1f}x | "
+              + " / ".join(f"{s:.3f}" for s, _, _ in vals) + " |")
+    print("\nend-to-end recovery of a crash (kill -> first iteration), seconds (the round "
+          "with the median restore):")
     for name, vals in rows.items():
         if vals[0][1] is None:
             continue
-        split = vals[len(vals) // 2][1]
+        split = sorted(vals, key=lambda v: v[0])[len(vals) // 2][1]
         print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
 
 

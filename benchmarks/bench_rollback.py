@@ -17,8 +17,10 @@ it ends), wall clock from when lines appear on the job's output:
   the spike are not counted, which favours this side) to the log line of iteration 9.
 
 The runs are interleaved (rollback, persistent, rollback, ...); medians and their ratio
-are printed, with the pure load times beside them (REFT-load ms vs the checkpoint load
-of the start-up split).
+are printed, with the pure load times beside them, timed the same way on both sides by
+the trainer: the clock starts after a barrier and the figure is the slowest rank's (the
+REFT-load inside the rollback, its `[REFT] recovery:` line; the torch_dist load, its files
+in the page cache as the preparatory run left them).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ sys.path.insert(0, REPO)
 from reft_ext.progress import Progress  # noqa: E402
 
 ROLLBACK = re.compile(r"\[REFT\] rollback: .* restored from host memory in ([\d.]+) ms")
-LOAD = re.compile(r"time from process start to first iteration: [\d.]+ s \(.*load ([\d.]+)")
+# REFT-load inside the rollback, as reft_ext/recovery.py times it (barrier, slowest rank)
+REFT_LOAD = re.compile(r"\[REFT\] recovery: iteration \d+ restored on \d+ ranks from .* in "
+                       r"([\d.]+) ms")
+LOAD = re.compile(r"loaded checkpoint .* at iteration 8 \[([\d.]+) s, slowest rank\]")
 ITER9 = re.compile(r" iteration +9/")
 
 
@@ -79,7 +84,8 @@ def rollback_once(a) -> tuple[float, float]:
             ms = float(m.group(1))
             detected = t - ms / 1000
             done = next(t2 for t2, x in lines[i + 1:] if ITER9.search(x))
-            return done - detected, ms / 1000
+            load = next(float(r.group(1)) for _, x in lines[:i] if (r := REFT_LOAD.search(x)))
+            return done - detected, load / 1000
     sys.exit("bench_rollback: no rollback happened")
 
 
@@ -97,10 +103,10 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    ckpt = tempfile.mkdtemp(prefix="bench-rollback-")
-    launch(job(a) + ["--train-iters", "8", "--save", ckpt])  # the checkpoint to restart from
     res = {"rollback": [], "persistent": []}
-    with Progress(2 * a.repeats, desc="bench_rollback", unit="run") as bar:
+    with tempfile.TemporaryDirectory(prefix="bench-rollback-") as ckpt, \
+            Progress(2 * a.repeats, desc="bench_rollback", unit="run") as bar:
+        launch(job(a) + ["--train-iters", "8", "--save", ckpt])  # the state to restart from
         for _ in range(a.repeats):  # interleaved
             res["rollback"].append(rollback_once(a))
             bar.update()
@@ -109,7 +115,8 @@ def main() -> None:
     med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v))
            for k, v in res.items()}
     print(f"model: {a.layers} layers x hidden {a.hidden}, TP1 x PP2 x DP2, ZeRO-1, "
-          f"{a.repeats} interleaved repeats, medians")
+          f"{a.repeats} interleaved repeats, medians; load only: slowest rank, clock "
+          f"started after a barrier on both sides")
     print(f"{'path':<34}{'spike -> iteration 9 done':>28}{'load only':>12}")
     print(f"{'rollback in process (REFT)':<34}{med['rollback'][0]:>26.2f} s"
           f"{med['rollback'][1]:>10.3f} s")

@@ -3,7 +3,10 @@ the same processes and taking turns in blocks of iterations (A A A A B B B B ...
 A ...), so all methods see the same machine, model and data.
 
 Methods (``--methods``, comma-separated):
-  none               no snapshot
+  none               no snapshot, as a plain run: no pipeline-event instrumentation either
+                     (config.timers and the p2p communicator as the trainer leaves them
+                     without REFT), switched off for its blocks
+  instrumented       no snapshot, the pipeline-event instrumentation HAS needs installed
   end-of-iteration   REFT snapshot copied right after the optimizer step (blocking)
   host-thread        REFT snapshot copied at once by a background thread
   dcp-async          torch.distributed.checkpoint.async_save into /dev/shm
@@ -176,8 +179,13 @@ class None_:
 class Rotation:
     """The hook: picks the method of the block, times iterations and blocking."""
 
+    PLAIN = "none"  # the method that runs as a plain run: no instrumentation
+
     def __init__(self, trainer, methods: dict, block: int, group):
         self.trainer, self.methods, self.block, self.group = trainer, methods, block, group
+        # the instrumentation every other method runs with (the snapshot methods need the
+        # bubbles; the baselines share it so that only the copy differs between them)
+        self.instrumentation = (trainer.events, trainer.fb_kwargs, trainer.config.timers)
         self.names = list(methods)
         self.current = None
         self.t_last = None
@@ -194,9 +202,19 @@ class Rotation:
                 self.methods[self.current].deactivate()
             if torch.distributed.get_rank() == 0:
                 print(f"[BENCH-BLOCK] {name} from iteration {state.iteration + 1}", flush=True)
+            self._instrument(name != self.PLAIN)
             self.methods[name].activate()
             self.current = name
         self.pending_block = self.methods[name].before_step()
+
+    def _instrument(self, on: bool) -> None:
+        """From the next forward-backward on (the block's first iteration, which already
+        ran its passes, is not counted): events, p2p communicator and config.timers as
+        installed, or as a plain run has them (None, {}, None: megatron-core then builds
+        its own communicator and calls no timers)."""
+        t = self.trainer
+        t.events, t.fb_kwargs, t.config.timers = self.instrumentation if on else (None, {},
+                                                                                  None)
 
     def after_step(self, state):
         name = self.current
@@ -231,6 +249,9 @@ def main():
         own["--bench-protect"]
     args = parse_args(argv)
     trainer = Trainer(args)
+    if trainer.events is not None or trainer.config.timers is not None:
+        sys.exit("overhead_probe: the trainer installed instrumentation itself (a --reft-* "
+                 "flag?): the 'none' rows would not be a plain run")
     trainer.events = PipelineEvents(torch.distributed.get_rank())
     trainer.fb_kwargs = pipeline_events.install(trainer.config, trainer.events)
     group = torch.distributed.new_group(backend="gloo")
@@ -238,7 +259,7 @@ def main():
     adapter = MegatronStateAdapter(trainer.state, args)
     methods, shared = {}, {}
     for n in names:
-        if n == "none":
+        if n in ("none", "instrumented"):  # the rotation switches the instrumentation
             methods[n] = None_()
         elif n == "dcp-async":
             methods[n] = DcpAsync(trainer, group)
