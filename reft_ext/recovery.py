@@ -20,25 +20,58 @@ import time
 
 import torch
 
+from reft_ext import _native
+from reft_ext.fused_load import load_verified
 from reft_ext.protection import OWN, PARITY, REPLICA
 from reft_ext.snapshot import ReftSnapshotter, reft_print
 from reft_ext.store import from_jsonable
 
 
-def _inventory(s: ReftSnapshotter, verify_all: bool, manifests: dict) -> dict:
+def _fuse(s: ReftSnapshotter, slot: int, m: dict) -> dict:
+    """Round 1's reads of slot ``slot`` (own slice, ARC replica, owned state) verified
+    and written into the model in one pass (reft_ext/fused_load.py): region -> whether
+    its checksum matched. A failed region has left untrusted bytes in the model, which
+    the restore overwrites (every slice and the owned state are written from a trusted
+    source unless this slot's verified region is the one the plan restores)."""
+    lay, L, D = s.layout, s.layout.slice_bytes, s.D
+    targets = {"own": (lay.replicated, s.member * L), "owned": (lay.owned, 0)}
+    if s.protection.name == "arc" and D > 1:
+        targets["redundancy"] = (lay.replicated, ((s.member + 1) % D) * L)
+    try:
+        data = s.store.data(slot, m["nbytes"])
+    except (OSError, ValueError):
+        return dict.fromkeys(targets, False)
+    # (the caller checked the slot's layout: its regions are these targets' sizes)
+    jobs = [(data[m["regions"][r][0]:m["regions"][r][0] + m["regions"][r][1]],
+             m["regions"][r][2], *targets[r]) for r in targets]
+    return dict(zip(targets, load_verified(jobs, m.get("checksum", "crc32"))))
+
+
+def _inventory(s: ReftSnapshotter, verify_all: bool, manifests: dict,
+               fused: dict | None = None, max_iteration: int | None = None) -> dict:
     """iteration -> {slot, ok: {own, redundancy, owned}} for this rank.
 
     Checksums cost a pass over the bytes, so round 1 verifies only what a recovery
     without losses reads (the newest slot's own slice and owned state, and an ARC
     replica, which saves sending that slice over the network) and reports the rest as
-    None (unverified); round 2 (``verify_all``) verifies everything."""
+    None (unverified); round 2 (``verify_all``) verifies everything. With ``fused`` (a
+    dict, filled with region -> (slot, ok)), round 1 writes those regions of the newest
+    slot not after ``max_iteration`` into the model while verifying them."""
     out = {}
+    fuse_slot = None
+    if fused is not None and not verify_all:
+        fuse_slot = next((slot for slot, m in sorted(manifests.items(),
+                                                     key=lambda kv: -int(kv[1]["iteration"]))
+                          if max_iteration is None or int(m["iteration"]) <= max_iteration),
+                         None)
     sig = s.layout.signature()
     newest_first = sorted(manifests.items(), key=lambda kv: -int(kv[1]["iteration"]))
     for i, (slot, m) in enumerate(newest_first):
         usable = (m.get("layout") == sig and m.get("nbytes") == s.nbytes and
                   m.get("protection") == s.protection.name)
         flags = {}
+        if slot == fuse_slot and usable:
+            fused.update({r: (slot, ok) for r, ok in _fuse(s, slot, m).items()})
         aor = m.get("aor") or {}
         for region in ("own", "redundancy", "owned", "aor"):
             if region == "aor" and not (aor.get("valid") and region in m.get("regions", {})):
@@ -46,6 +79,9 @@ def _inventory(s: ReftSnapshotter, verify_all: bool, manifests: dict) -> dict:
                 continue
             lazy = not verify_all and (i > 0 or region == "aor" or (
                 region == "redundancy" and s.protection.name != "arc"))
+            if usable and fused and fused.get(region, (None,))[0] == slot and not verify_all:
+                flags[region] = fused[region][1]  # verified on its way into the model
+                continue
             flags[region] = None if (usable and lazy) else \
                 (usable and s.store.verify(slot, m, region))
         out.setdefault(int(m["iteration"]), {"slot": slot, "ok": flags,
@@ -176,10 +212,21 @@ def _distribute(s: ReftSnapshotter, inventories, it, plan, data) -> dict:
 
 @torch.no_grad()
 def recover(s: ReftSnapshotter, persistent: int | None,
-            max_iteration: int | None = None) -> int | None:
+            max_iteration: int | None = None, fuse: bool = True) -> int | None:
     """Restore from host memory; returns the iteration, or None (caller falls back).
-    In process (a rollback) with ``max_iteration``: the newest snapshot not after it."""
+    In process (a rollback) with ``max_iteration``: the newest snapshot not after it.
+
+    ``fuse``: round 1 reads the newest slot straight into the model while verifying it
+    (native engine only; the two-pass torch path stays the reference). Bytes of a region
+    that then fails its checksum are already in the model, so this is done only where
+    every outcome overwrites or discards them: a successful restore rewrites every
+    region not verified from the restored slot, and None is followed by the persistent
+    checkpoint (``persistent``; the caller passes fuse=False when that load skips state,
+    e.g. --no-load-optim) or, in a rollback (``max_iteration``), by the job stopping.
+    With neither, None means a start from scratch, which needs the untouched model."""
     a = s.a
+    fused = {} if (fuse and _native.HAVE_NATIVE and
+                   (persistent is not None or max_iteration is not None)) else None
     # ranks arrive at different times (imports): time the recovery, not the arrival skew
     torch.distributed.barrier(group=a.control_group)
     t0 = time.perf_counter()
@@ -196,7 +243,7 @@ def recover(s: ReftSnapshotter, persistent: int | None,
     committed = int(newest.item())
     max_iteration = committed if max_iteration is None else min(max_iteration, committed)
     for verify_all in (False, True):
-        mine = _inventory(s, verify_all, manifests)
+        mine = _inventory(s, verify_all, manifests, fused, max_iteration)
         inventories = [None] * a.world_size
         torch.distributed.all_gather_object(inventories, mine, group=a.control_group)
         it, plans = plan_recovery(s, inventories, persistent, max_iteration)
@@ -243,9 +290,16 @@ def recover(s: ReftSnapshotter, persistent: int | None,
         slices[lost] = torch.empty(L, dtype=torch.uint8)
         s.protection.recover(lost, slices, redundancy, slices[lost])
     t_rebuild = time.perf_counter()
-    # 3. write the replicated state back, then owned state and metadata
+    # 3. write the replicated state back, then owned state and metadata; slices that
+    #    round 1 already wrote from this slot, verified, are in place (own slice, and
+    #    the ARC replica of the next one, which _distribute uses when it verified)
+    verified = {r for r, v in (fused or {}).items() if entry and v == (entry["slot"], True)}
+    done = {s.member} if plan[s.member] == OWN and "own" in verified else set()
+    if "redundancy" in verified:
+        done.add((s.member + 1) % s.D)
     for d in range(s.D):
-        lay.replicated.write(d * L, slices[d])
+        if d not in done:
+            lay.replicated.write(d * L, slices[d])
     sources = [plan[d] for d in range(s.D)]
     meta_src = min(d for d in range(s.D) if plan[d] == OWN)
     if any(how != OWN for how in sources):
@@ -256,7 +310,8 @@ def recover(s: ReftSnapshotter, persistent: int | None,
         meta = manifest["meta"]
     aor_from = None
     if lay.owned.nbytes:
-        aor_from = _restore_owned(s, inventories, it, data)
+        aor_from = _restore_owned(s, inventories, it, data,
+                                  written="owned" in verified)
     a.set_meta(from_jsonable(meta))
     if entry and (c is None or (c.get("slot"), int(c.get("iteration", -1))) !=
                   (entry["slot"], it)):
@@ -265,7 +320,9 @@ def recover(s: ReftSnapshotter, persistent: int | None,
         s.store.commit(entry["slot"], it)
     t_end = time.perf_counter()
     ms = 1000 * (t_end - t0)
-    split = (f"verify+agree {1000 * (t_verify - t0):.0f}, exchange "
+    # "verify+load": round 1 wrote this slot's verified regions into the model as it read
+    split = (f"verify{'+load' if verified else ''}+agree "
+             f"{1000 * (t_verify - t0):.0f}, exchange "
              f"{1000 * (t_gather - t_verify):.0f}, rebuild {1000 * (t_rebuild - t_gather):.0f}, "
              f"write back {1000 * (t_end - t_rebuild):.0f} ms")
     how = {"own": "own memory", "replica": "ARC replica", "parity": "AEC parity"}
@@ -283,13 +340,15 @@ def recover(s: ReftSnapshotter, persistent: int | None,
     return it
 
 
-def _restore_owned(s: ReftSnapshotter, inventories, it, data) -> int | None:
+def _restore_owned(s: ReftSnapshotter, inventories, it, data,
+                   written: bool = False) -> int | None:
     """Owned state from this rank's own snapshot, or, for a rank that lost it, from its
     AOR holder's replica (sent point-to-point within the sharding group). Returns the
-    holder's rank when the replica was used."""
+    holder's rank when the replica was used. ``written``: round 1 already restored this
+    rank's own owned state from this slot, verified."""
     a, ranks = s.a, s.a.dp_ranks
     src = owned_source(inventories, ranks, a.rank, it)
-    if src == a.rank:
+    if src == a.rank and not written:
         off, n = s.regions["owned"]
         s.layout.owned.write(0, data[off:off + n])
     off, n = s.regions["aor"]

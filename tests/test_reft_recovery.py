@@ -177,6 +177,26 @@ def test_flipped_byte_is_caught_and_replica_used(reference_runs):
     _same_as_reference(run, ref, 5)
 
 
+@pytest.mark.slow
+def test_flipped_byte_loaded_while_verified_is_overwritten(tmp_path, reference_runs):
+    """With a persistent checkpoint (so a failed REFT-load is followed by a full load),
+    round 1 verifies each rank's own slot while writing it into the model
+    (reft_ext/fused_load.py): rank 1's flipped slice lands in its model before its
+    checksum fails, and the ARC replica must overwrite it, bit for bit."""
+    ref = reference_runs("pp2dp2", 4, TINY + N + LAYOUTS["pp2dp2"])
+    save = str(tmp_path / "ckpt")
+    run = torchrun(4, TINY + N + LAYOUTS["pp2dp2"] + reft("arc") + [
+        "--save", save, "--load", save, "--save-interval", "2",
+        "--inject-fault", "1:5:KILL:corrupt"], max_restarts=1).check()
+    assert "[FAULT] flipped a byte of rank 1's snapshot of iteration 4" in run.output
+    assert "[REFT] recovered iteration 4 on rank 1 from ARC replica" in run.output
+    for r in (0, 2, 3):  # their own slots were restored in the verifying pass
+        line = next(ln for ln in run.output.splitlines()
+                    if f"[REFT] recovered iteration 4 on rank {r} from own memory" in ln)
+        assert "verify+load+agree" in line, line
+    _same_as_reference(run, ref, 5)
+
+
 # ---- the layouts and dtypes the tests above do not cover (make test-all) ---------------
 @pytest.mark.slow
 def test_lost_node_tp2pp2dp2_arc(reference_runs):

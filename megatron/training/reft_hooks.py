@@ -161,7 +161,9 @@ class ReftHook:
         if it is not None:
             self.count_recovery("memory, resharded after a shrink")
             return it
-        it = recover(self.snap, persistent_iteration)
+        # a fused restore that fails a checksum leaves bytes in the model that only a
+        # full persistent load replaces (reft_ext/recovery.py recover)
+        it = recover(self.snap, persistent_iteration, fuse=not self.args.no_load_optim)
         if it is not None:
             self.count_recovery(self.snap.recovered_from or "host memory")
         return it
