@@ -28,6 +28,15 @@ States, and why a running rank has two:
   the victims, yet a hang inside communication itself (every rank waiting) is still
   caught long before the collective timeout.
 
+A busy node is not a hung one: a rank's silence is wall time minus the time its main thread
+(the one that beats) spent runnable but waiting for a CPU since the beat: the kernel's run
+delay (/proc/<pid>/schedstat) plus a wait still in progress, as the watcher sees them from
+the beat on. On a host with more runnable threads than cores a compute phase of 1 s can
+take many seconds of wall time. A stopped, deadlocked or blocked rank waits for no CPU, so
+it is still caught at the timeout however busy the host; a rank spinning without progress
+is caught once it had the timeout's worth of CPU. What stays wall time: a waiting rank's
+silence while a peer elsewhere is starved (covered by the waiting factor only).
+
 Plain Python (no torch): the watcher imports it.
 """
 
@@ -149,12 +158,47 @@ def process_state(pid: int) -> str:
             "T": "stopped", "t": "stopped by a tracer", "Z": "zombie"}.get(s, s)
 
 
+def cpu_wait(pid: int) -> tuple[float, float, bool] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one, runnable now) of the
+    process's main thread, the one that beats; None where the kernel does not say. The
+    kernel adds a wait to the count only when it ends: a thread queued now shows as
+    runnable with counts that do not move."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            ran, waited = f.read().split()[:2]
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return int(ran) / 1e9, int(waited) / 1e9, state == "R"
+
+
 class HangMonitor:
-    """The node's ranks whose heartbeat has not moved for their limit."""
+    """The node's ranks whose heartbeat has not moved for their limit, not counting the
+    time they waited for a CPU since that beat (see the module docstring)."""
 
     def __init__(self, node_dir: str, ranks: list[int], pids: list[int], timeout: float):
         self.node_dir, self.timeout = node_dir, timeout
         self.ranks = dict(zip(ranks, pids))
+        self._since: dict[int, dict] = {}  # rank: the CPU counts at its last beat
+
+    def _starved(self, rank: int, pid: int, seq: int) -> float:
+        """Seconds rank waited for a CPU since beat ``seq``: the counted waits, plus the
+        one in progress. That one began after the last look at which the rank was seen
+        running or asleep (its counts had not moved yet, or it was not runnable): counted
+        from there, a look too early rather than too late (watcher time, whatever ``now``
+        the caller judges with)."""
+        c, t = cpu_wait(pid), time.monotonic()
+        if c is None:
+            return 0.0
+        s = self._since.get(rank)
+        if s is None or s["seq"] != seq:  # a new beat: the rank ran just now
+            s = self._since[rank] = {"seq": seq, "waited": c[1], "counts": c[:2],
+                                     "ran_by": t, "look": t}
+        elif c[:2] != s["counts"] or not c[2]:  # it ran (or slept) since the last look
+            s["counts"], s["ran_by"] = c[:2], s["look"] if c[2] else t
+        s["look"] = t
+        return c[1] - s["waited"] + (t - s["ran_by"] if c[2] else 0.0)
 
     def check(self, now: float | None = None) -> list[dict]:
         now = time.monotonic() if now is None else now
@@ -164,16 +208,19 @@ class HangMonitor:
             # another pid: a previous incarnation's file, not this worker's
             if rec is None or rec["pid"] != pid or rec["state"] == PAUSED:
                 continue
+            starved = self._starved(rank, pid, rec["seq"])
             limit = self.timeout * (WAITING_FACTOR if rec["state"] == WAITING else 1)
             silent = now - rec["t"]
-            if silent >= limit:
-                hung.append(dict(rec, rank=rank, silent=silent, limit=limit))
+            if silent - starved >= limit:
+                hung.append(dict(rec, rank=rank, silent=silent, starved=starved, limit=limit))
         return hung
 
 
 def describe(h: dict, node: int, timeout: float) -> str:
     """The one line a hang is reported with (log and node status)."""
+    starved = h.get("starved", 0.0)
+    cpu = f"; {starved:.1f} s of it waiting for a CPU, not counted" if starved >= 0.05 else ""
     return (f"rank {h['rank']} (pid {h['pid']}, node {node}) made no progress for "
             f"{h['silent']:.1f} s while {STATE_NAMES[h['state']]}, last completed iteration "
             f"{h['iteration']} (limit {h['limit']:g} s, --reft-hang-timeout "
-            f"{timeout:g}; process {process_state(h['pid'])})")
+            f"{timeout:g}; process {process_state(h['pid'])}{cpu})")

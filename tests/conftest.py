@@ -97,3 +97,22 @@ def reference_runs():
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def cpu_hog():
+    """A busy host for the test's duration: two busy loops per CPU this process may use
+    (the load of other jobs sharing the cores), killed afterwards. Yields their count.
+    Each in a session of its own, as every torchrun agent and worker is: the kernel's
+    autogroups share the CPUs out between sessions first, so loops in the test's own
+    session would hardly slow a job at all."""
+    n = 2 * len(os.sched_getaffinity(0))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             start_new_session=True) for _ in range(n)]
+    try:
+        yield n
+    finally:
+        for p in hogs:
+            p.kill()
+        for p in hogs:
+            p.wait()

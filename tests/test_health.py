@@ -269,11 +269,14 @@ def test_elastic_shrink_after_a_crash(zero1, tmp_path):
     assert not re.search(r"iteration\s+[1-4]/", out.split("excluding node(s) [1]")[-1])
 
 
-@pytest.mark.parametrize("min_nodes,expect", [
+CANNOT_SHRINK = [  # (--min-nodes, why the job stops); tests/test_under_load.py too
     (0, "the launch is not elastic: start it with torchrun --nnodes MIN:2 and "
         "--reft-min-nodes MIN (tools/launch_nodes.py --min-nodes MIN)"),
     (1, "the layout cannot shrink to 1 ranks: --reft-protect: arc needs data-parallel "
-        "size >= 2")])
+        "size >= 2")]
+
+
+@pytest.mark.parametrize("min_nodes,expect", CANNOT_SHRINK)
 def test_failed_node_stops_a_job_that_cannot_shrink(min_nodes, expect, tmp_path):
     """Node 1 fails at start-up; without elasticity (or without a valid smaller layout)
     every node's agent is stopped: no restart, no training, one clear line per rank."""
@@ -281,7 +284,7 @@ def test_failed_node_stops_a_job_that_cannot_shrink(min_nodes, expect, tmp_path)
         "--reft-inject-health-failure", "1"]
     with launcher(2, 1, args, tmp_path, min_nodes=min_nodes) as L:
         L.start()
-        codes = L.wait(60)
+        codes = L.wait(180)  # a net for a stuck job: 8 s alone, 50 s on a shared host
         out = L.outputs()
         bad = status.read(L.cfg.shm_dir, L.job_id, 1)
         L.cleanup_shm()

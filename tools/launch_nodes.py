@@ -19,8 +19,10 @@ slot's shared-memory directory ``<shm>/reft-<job>-node<i>``.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import glob
 import os
+import random
 import re
 import shutil
 import signal
@@ -42,10 +44,94 @@ class LaunchError(ValueError):
     """A bad launcher setting (the message names the flag)."""
 
 
+# ---- ports that nobody takes between the pick and the bind ----------------------------
+# torch's get_free_port() (bind port 0, close) returns a port of the ephemeral range, which
+# every bind to port 0 and every outgoing connection on the host draws from too. The rank-0
+# agent picks its workers' MASTER_PORT so, and its rank-0 worker binds it after its imports:
+# seconds later, tens of seconds on a busy host, by when another job's listener or
+# connection had sometimes taken it (EADDRINUSE: the attempt failed and was restarted).
+# Outside that range only an explicit bind takes a port; an flock per port, held by the
+# process that picked it, keeps launchers (and their agents) off each other's picks.
+PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), f"reft-ports-{os.getuid()}")
+PORT_FLOOR = 10000                # below: well-known and registered services
+TORCH_DEFAULT_PORTS = (29400, 29500)  # torchrun's static defaults: a port others bind
+PORT_LOCKS_KEPT = 64  # a process's older picks have long been bound (or given up) by then
+_port_locks: list[int] = []       # flock fds of the ports this process picked, oldest first
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    """Free on every address, as a TCPStore server binds it (SO_REUSEADDR, as it does)."""
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind((addr, port))
+            except OSError:
+                return False
+    return True
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and stays free until its user binds it, however long that
+    takes: outside the kernel's ephemeral range, and locked against every other caller of
+    this function on the host while this process lives (its last PORT_LOCKS_KEPT picks)."""
+    lo, hi = _ephemeral_range()
+    pool = [p for p in range(PORT_FLOOR, 65536)
+            if not lo <= p <= hi and p not in TORCH_DEFAULT_PORTS]
+    os.makedirs(PORT_LOCK_DIR, mode=0o700, exist_ok=True)
+    for port in random.SystemRandom().sample(pool, min(len(pool), 256)):
+        fd = os.open(os.path.join(PORT_LOCK_DIR, f"{port}.lock"), os.O_RDWR | os.O_CREAT,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another launcher's pick
+            os.close(fd)
+            continue
+        if _bindable(port):
+            _port_locks.append(fd)
+            while len(_port_locks) > PORT_LOCKS_KEPT:
+                os.close(_port_locks.pop(0))
+            return port
+        os.close(fd)
+    raise LaunchError(f"no free TCP port in {PORT_FLOOR}-65535 outside the ephemeral range "
+                      f"{lo}-{hi} (net.ipv4.ip_local_port_range): narrow that range or "
+                      f"free some ports")
+
+
+def reserve_worker_ports() -> None:
+    """In a torchrun agent: the workers' MASTER_PORT from free_port(), not torch's
+    get_free_port() (the only port torch picks itself with TORCH_DISABLE_SHARE_RDZV_TCP_STORE;
+    see above)."""
+    from torch.distributed.elastic.rendezvous import api
+
+    build = getattr(getattr(api, "RendezvousStoreInfo", None), "build", None)
+    if not callable(getattr(api, "get_free_port", None)) or \
+            "get_free_port" not in getattr(getattr(build, "__code__", None), "co_names", ()):
+        raise LaunchError("tools/launch_nodes.py: torch.distributed.elastic.rendezvous.api"
+                          ".RendezvousStoreInfo.build no longer picks MASTER_PORT with "
+                          "get_free_port in this torch: update reserve_worker_ports")
+    api.get_free_port = free_port
+
+
+# the agent: torchrun, with the workers' port reserved (its command line still names
+# torch.distributed.run: reft_health and the benchmarks look for that)
+AGENT_MAIN = ("import sys; sys.path.insert(0, {repo!r}); import tools.launch_nodes as nodes; "
+              "nodes.reserve_worker_ports(); import torch.distributed.run as run; run.main()")
 
 
 @dataclass
@@ -83,7 +169,7 @@ class LaunchConfig:
             raise LaunchError(f"--job-id: letters, digits, '.', '_', '-' only, got "
                               f"{self.job_id!r}")
         self.job_id = self.job_id or f"nodes-{uuid.uuid4().hex[:8]}"
-        self.port = self.port or free_port()
+        # port 0: the rendezvous store binds a port of the kernel's choice at start()
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix=f"{self.job_id}-logs-")
         os.makedirs(self.log_dir, exist_ok=True)
 
@@ -115,7 +201,7 @@ class NodeLauncher:
     def _command(self, node: int) -> list[str]:
         c = self.cfg
         nn = f"{c.min_nodes}:{c.nnodes}" if c.min_nodes else str(c.nnodes)
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nn}",
+        return [sys.executable, "-c", AGENT_MAIN.format(repo=REPO), f"--nnodes={nn}",
                 f"--node-rank={node}", f"--nproc-per-node={c.nproc_per_node}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{c.port}",
                 f"--rdzv-id={c.job_id}", f"--rdzv-conf={self._rdzv_conf()}",
@@ -145,8 +231,10 @@ class NodeLauncher:
         # replacement must still find the job (a dedicated rendezvous host, as etcd is)
         from torch.distributed import TCPStore
 
+        # bound here, not picked earlier and bound later (see free_port)
         self.store = TCPStore("127.0.0.1", self.cfg.port, is_master=True, multi_tenant=True,
                               wait_for_workers=False)
+        self.cfg.port = self.store.port
         for i in range(self.cfg.nnodes):
             self.start_node(i)
         return self
@@ -302,13 +390,13 @@ def main(argv=None) -> int:
     except LaunchError as exc:
         p.error(str(exc))
     launcher = NodeLauncher(cfg, rest[1:], script=rest[0])
-    print(f"job {cfg.job_id}: {cfg.nnodes} agents x {cfg.nproc_per_node} ranks, rendezvous "
-          f"127.0.0.1:{cfg.port}, logs in {cfg.log_dir}", flush=True)
     stop = []
     # preemption of the launcher = preemption of every node
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
-    launcher.start()
+    launcher.start()  # binds the rendezvous port (--port 0: the kernel's choice)
+    print(f"job {cfg.job_id}: {cfg.nnodes} agents x {cfg.nproc_per_node} ranks, rendezvous "
+          f"127.0.0.1:{cfg.port}, logs in {cfg.log_dir}", flush=True)
     try:
         while not stop and any(pr.poll() is None for pr in launcher.procs.values()):
             time.sleep(0.2)
