@@ -184,6 +184,14 @@ def test_full_tmpfs_grows_no_segment_and_reserved_pages_never_sigbus(small_tmpfs
 
 
 # ---- end to end (slow) ---------------------------------------------------------------
+def _remove_job_shm(job):
+    """Every /dev/shm entry of --reft-job-id ``job`` (node directories, status files)."""
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"reft-{job}"):
+            p = os.path.join("/dev/shm", name)
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+
+
 def _run_id(output):
     return re.search(r"run ([0-9a-f]{12}) \(first started", output).group(1)
 
@@ -293,10 +301,7 @@ def test_shm_dir_of_another_user_stops_the_job_before_training():
         assert "iteration        1/" not in run.output  # before any training
         assert os.listdir(d) == [] and os.stat(d).st_uid == 65534  # never written into
     finally:
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(f"reft-{job}"):
-                p = os.path.join("/dev/shm", name)
-                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+        _remove_job_shm(job)
 
 
 @pytest.mark.slow
@@ -322,10 +327,7 @@ def test_changed_layout_or_failure_domains_are_refused():
             assert f"error: --reft-job-id: host memory (/dev/shm/reft-{job}-node0)" in out
             assert "iteration        1/" not in out
     finally:
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(f"reft-{job}"):
-                p = os.path.join("/dev/shm", name)
-                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+        _remove_job_shm(job)
 
 
 @pytest.mark.slow
