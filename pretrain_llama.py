@@ -18,8 +18,8 @@ def main(argv=None):
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.training import pretrain
     from reft_ext.config import ReftConfigError
-    from reft_ext.rollback import RollbackError
-    from reft_ext.shm import ShmDirError, ShmSpaceError
+    from reft_ext.load.rollback import RollbackError
+    from reft_ext.store.shm import ShmDirError, ShmSpaceError
 
     try:
         pretrain(args)

@@ -9,7 +9,7 @@ optional at run time (see csrc/).
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # PEP 517 backends run this file without the project root on sys.path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,7 @@ setup(
     name="reft-megatron",
     version="0.1.0",
     description="Megatron-core Llama pretraining with REFT in-memory fault tolerance",
-    packages=["reft_ext", "megatron.training"],
+    packages=find_packages(include=["reft_ext", "reft_ext.*", "megatron.training", "megatron.training.*"]),
     py_modules=["pretrain_llama"],
     python_requires=">=3.10",
     install_requires=[

@@ -1,5 +1,5 @@
-"""Cost of REFT's node health check (reft_ext/health.py) and of one hang-detection
-heartbeat (reft_ext/heartbeat.py), the figures of docs/nodes.md.
+"""Cost of REFT's node health check (reft_ext/cluster/health.py) and of one hang-detection
+heartbeat (reft_ext/cluster/heartbeat.py), the figures of docs/nodes.md.
 
     python benchmarks/bench_health.py [--nodes 2,3] [--repeats 5] [--matmul-size 256]
 
@@ -26,8 +26,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from reft_ext.health import run_health_check  # noqa: E402
-from reft_ext.heartbeat import Heartbeat  # noqa: E402
+from reft_ext.cluster.health import run_health_check  # noqa: E402
+from reft_ext.cluster.heartbeat import Heartbeat  # noqa: E402
 
 
 def _worker(rank, world, store, out, size):

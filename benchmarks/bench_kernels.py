@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reft_ext import _native  # noqa: E402
-from reft_ext.copy_engine import CopyEngine  # noqa: E402
-from reft_ext.progress import Progress  # noqa: E402
-from reft_ext.xor_code import xor_encode  # noqa: E402
+from reft_ext.copy.engine import CopyEngine  # noqa: E402
+from reft_ext.report.progress import Progress  # noqa: E402
+from reft_ext.protect.xor import xor_encode  # noqa: E402
 
 
 def parse_size(s: str) -> int:

@@ -10,9 +10,9 @@ out (own slice | owned state), with its region checksums (xxh3_64/4M, or crc32/4
 without xxhash). Then, round-robin (one run of each method per round, so load from other
 processes on this shared machine spreads over all rows), --repeats times:
 
-  two-pass     (torch on one thread, as in the trainer) the restore before reft_ext/fused_load.py: SnapshotStore.verify of each
+  two-pass     (torch on one thread, as in the trainer) the restore before reft_ext/load/fused.py: SnapshotStore.verify of each
                region (one checksum pass), then StreamLayout.write (a torch copy_ per
-               tensor piece), as reft_ext/recovery.py did for a rank's own memory
+               tensor piece), as reft_ext/load/recover.py did for a rank's own memory
   fused        reft_ext/fused_load.load_verified: each 2 MiB step checksummed then copied
                to its tensor pieces while in cache, checksum chunks over every core
   memcpy 1T    numpy.copyto of the same bytes from the segment into one buffer (this
@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reft_ext import _native  # noqa: E402
-from reft_ext.checksum import DEFAULT, checksum  # noqa: E402
-from reft_ext.fused_load import load_verified  # noqa: E402
-from reft_ext.layout import StateLayout  # noqa: E402
-from reft_ext.shm import ShmSegment  # noqa: E402
+from reft_ext.store.checksum import DEFAULT, checksum  # noqa: E402
+from reft_ext.load.fused import load_verified  # noqa: E402
+from reft_ext.state.layout import StateLayout  # noqa: E402
+from reft_ext.store.shm import ShmSegment  # noqa: E402
 
 
 def make_state(mb: int, seed: int) -> StateLayout:

@@ -35,7 +35,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from reft_ext.progress import Progress  # noqa: E402  (progress with ETA on stderr)
+from reft_ext.report.progress import Progress  # noqa: E402  (progress with ETA on stderr)
 
 # ~46 M parameters (fp32 params + Adam ~0.55 GB), 8 tokens per micro-batch, 2 micro-
 # batches: the GPU-like regime. A small vocabulary keeps the two pipeline stages balanced

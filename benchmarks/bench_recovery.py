@@ -12,7 +12,7 @@ restarts the job. The persistent rows load that job's checkpoint of the same ite
 a new job, its files first read into the page cache, then evicted (POSIX_FADV_DONTNEED,
 checked with mincore(2): benchmarks/page_cache.py). Both sides are timed the same way by
 the trainer: the clock starts after a barrier (the ranks' arrival skew is not counted) and
-the figure is the slowest rank's (REFT-load: reft_ext/recovery.py; the persistent load:
+the figure is the slowest rank's (REFT-load: reft_ext/load/recover.py; the persistent load:
 megatron/training/checkpointing.py). The five sources take turns (A B C D E A B C D E
 ...), medians over --repeats.
 
@@ -53,7 +53,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from benchmarks import page_cache  # noqa: E402
-from reft_ext.progress import Progress  # noqa: E402
+from reft_ext.report.progress import Progress  # noqa: E402
 from tools.launch_nodes import LaunchConfig, NodeLauncher  # noqa: E402
 
 

@@ -36,10 +36,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from reft_ext.progress import Progress  # noqa: E402
+from reft_ext.report.progress import Progress  # noqa: E402
 
 ROLLBACK = re.compile(r"\[REFT\] rollback: .* restored from host memory in ([\d.]+) ms")
-# REFT-load inside the rollback, as reft_ext/recovery.py times it (barrier, slowest rank)
+# REFT-load inside the rollback, as reft_ext/load/recover.py times it (barrier, slowest rank)
 REFT_LOAD = re.compile(r"\[REFT\] recovery: iteration \d+ restored on \d+ ranks from .* in "
                        r"([\d.]+) ms")
 LOAD = re.compile(r"loaded checkpoint .* at iteration 8 \[([\d.]+) s, slowest rank\]")

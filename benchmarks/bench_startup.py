@@ -23,7 +23,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from reft_ext.progress import Progress  # noqa: E402
+from reft_ext.report.progress import Progress  # noqa: E402
 
 IMPORTS = ("import megatron.training.training, megatron.training.reft_hooks, "
            "megatron.training.checkpointing, megatron.training.data")

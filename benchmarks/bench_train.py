@@ -18,7 +18,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from reft_ext.progress import Progress  # noqa: E402  (progress with ETA on stderr)
+from reft_ext.report.progress import Progress  # noqa: E402  (progress with ETA on stderr)
 
 LAYOUTS = {
     "tp1pp2dp2-zero1": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],

@@ -42,8 +42,8 @@ from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.reft_hooks import MegatronStateAdapter  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 from reft_ext.config import ReftConfig  # noqa: E402
-from reft_ext.snapshot import ReftSnapshotter  # noqa: E402
-from reft_ext.timeline import PipelineEvents, StepProfile  # noqa: E402
+from reft_ext.save.snapshotter import ReftSnapshotter  # noqa: E402
+from reft_ext.report.timeline import PipelineEvents, StepProfile  # noqa: E402
 
 # bench_overhead.py names the job (and removes /dev/shm/*<job>* afterwards, even when a
 # run dies); standalone runs use the rendezvous id

@@ -4,7 +4,7 @@
 // tensor.data_ptr()) and byte counts instead of torch's C++ API: the build
 // needs no torch headers and the .so does not break when torch is upgraded.
 // All argument checking against tensors (bounds, dtype, contiguity, device)
-// happens in the Python wrappers (reft_ext/copy_engine.py, xor_code.py); this
+// happens in the Python wrappers (reft_ext/copy/engine.py, protect/xor.py); this
 // layer only rejects null pointers.  Every call that moves bytes releases the
 // GIL.
 #include <pybind11/pybind11.h>

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # reft_ext (status files) when run as a script
 
-from reft_ext import status as node_status  # noqa: E402
+from reft_ext.cluster import status as node_status  # noqa: E402
 
 
 class LaunchError(ValueError):

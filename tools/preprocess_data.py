@@ -18,7 +18,7 @@ The writing goes through megatron-core's IndexedDatasetBuilder, so the files are
 megatron.core.datasets.indexed_dataset.IndexedDataset reads. Outputs are written under temporary
 names and renamed into place, so a reader never sees a half-written .bin/.idx pair.
 
-Progress goes to stderr (reft_ext.progress): bytes of the input file (compressed bytes for
+Progress goes to stderr (reft_ext.report.progress): bytes of the input file (compressed bytes for
 .gz/.xz, known up front) with rate and ETA, redrawn in place on a terminal, else a line every
 10 s (REFT_PROGRESS_EVERY_S) and a final one; REFT_NO_PROGRESS=1 or --quiet turns it off.
 """
@@ -43,7 +43,7 @@ import numpy  # noqa: E402
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer  # noqa: E402
-from reft_ext.progress import Progress  # noqa: E402
+from reft_ext.report.progress import Progress  # noqa: E402
 
 DOCUMENT_LEVEL = "document"
 
@@ -131,7 +131,7 @@ def preprocess_jsonl(
     """Tokenize `input_path` and write one indexed dataset per JSON key.
 
     Returns {key: written path prefix}. `workers > 1` tokenizes in a process pool (order kept).
-    Progress over the input's bytes goes to stderr (reft_ext.progress); `log_interval` is
+    Progress over the input's bytes goes to stderr (reft_ext.report.progress); `log_interval` is
     kept for compatibility and unused.
     """
     tokenizer = _make_tokenizer(tokenizer_type, vocab_size)

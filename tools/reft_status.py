@@ -1,4 +1,4 @@
-"""Print a REFT job's state table from the nodes' status files (reft_ext/status.py).
+"""Print a REFT job's state table from the nodes' status files (reft_ext/cluster/status.py).
 
     python tools/reft_status.py                  # every job found in /dev/shm
     python tools/reft_status.py --job JOB [--shm-dir DIR] [--json]
@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from reft_ext import status  # noqa: E402
+from reft_ext.cluster import status  # noqa: E402
 
 
 def _ranks(r: list[int]) -> str:

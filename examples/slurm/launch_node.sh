@@ -22,7 +22,7 @@ python=${PYTHON:-python}
 shm_dir=${REFT_SHM_DIR:-/dev/shm}  # = --reft-shm-dir
 say() { echo "[launch] node $node_id ($node_name): $*"; }
 
-# REFT's watcher (reft_ext/watcher.py) copies the node's committed snapshots to
+# REFT's watcher (reft_ext/cluster/watcher.py) copies the node's committed snapshots to
 # --reft-flush-dir after a worker died (a crash, a hang, preemption). It runs in its own
 # session but inside this job step: once this task exits, Slurm kills what is left of the
 # step, a watcher in the middle of its flush included. So the task waits for it.
@@ -30,7 +30,7 @@ wait_for_watchers() {
     PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$python" - "$shm_dir" "$job" \
         "${WATCHER_WAIT_S:-600}" <<'EOF' || say "a REFT watcher was still running; its flush may be incomplete"
 import sys
-from reft_ext import status
+from reft_ext.cluster import status
 sys.exit(0 if status.wait_watchers(sys.argv[1], sys.argv[2], float(sys.argv[3])) else 1)
 EOF
 }

@@ -139,10 +139,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     from reft_ext.config import ReftConfig
 
     ReftConfig.add_arguments(p)
-    from reft_ext.rollback import RollbackConfig
+    from reft_ext.load.rollback import RollbackConfig
 
     RollbackConfig.add_arguments(p)
-    from reft_ext.health_config import HealthConfig
+    from reft_ext.cluster.health_config import HealthConfig
 
     HealthConfig.add_arguments(p)
     if extra_args_provider is not None:
@@ -265,8 +265,8 @@ def validate_args(args):
 
 def _validate_reft(args):
     from reft_ext.config import ReftConfig, ReftConfigError
-    from reft_ext.health_config import HealthConfig
-    from reft_ext.rollback import RollbackConfig
+    from reft_ext.cluster.health_config import HealthConfig
+    from reft_ext.load.rollback import RollbackConfig
 
     try:
         cfg = ReftConfig.from_args(args)

@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.training import optimizer_state
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
-from reft_ext.identity import differences, stamp
+from reft_ext.state.identity import differences, stamp
 
 TRACKER = "latest_checkpointed_iteration.txt"
-# what makes a state a run's (reft_ext/identity.py): model shape, layout, optimizer
+# what makes a state a run's (reft_ext/state/identity.py): model shape, layout, optimizer
 # sharding, precision, seed, data, global batch; not the DP size (an elastic shrink)
 IDENTITY_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                    "ffn_hidden_size", "seq_length", "padded_vocab_size",
@@ -244,7 +244,7 @@ class Checkpointer:
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
             raise CheckpointError(f"--load {root}: {TRACKER} names iteration {it} but "
                                   f"{path} is missing or incomplete")
-        # timed as REFT-load times itself (reft_ext/recovery.py): after a barrier, so the
+        # timed as REFT-load times itself (reft_ext/load/recover.py): after a barrier, so the
         # ranks' arrival skew is not counted, and reported as the slowest rank's time
         torch.distributed.barrier()
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ come from"):
   stage is blocked in it (a bubble). With ``overlap_p2p_comm`` the exchange only posts
   requests; their ``wait()`` is wrapped instead, so the real waits are seen either way.
 
-Both report to a :class:`reft_ext.timeline.PipelineEvents`. ``check_seams()`` verifies
+Both report to a :class:`reft_ext.report.timeline.PipelineEvents`. ``check_seams()`` verifies
 that megatron-core still has the signatures this relies on; tests/test_has.py runs it,
 so an upgrade that moves them fails a test rather than silently losing the bubbles.
 """
@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from reft_ext.timeline import PipelineEvents
+from reft_ext.report.timeline import PipelineEvents
 
 COMPUTE_PHASES = ("forward-compute", "backward-compute")
 _SCHEDULE_GROUPS = ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"]

@@ -1,4 +1,4 @@
-"""Thin call site of the start-up health check (reft_ext/health.py): run it before any
+"""Thin call site of the start-up health check (reft_ext/cluster/health.py): run it before any
 state is loaded, log the verdict, and act on a failed node (docs/nodes.md):
 
 * elastic (``--reft-min-nodes``, torchrun ``--nnodes MIN:MAX``) and the layout still
@@ -28,11 +28,11 @@ import torch
 
 from megatron.training import fault_injection
 from megatron.training.utils import emit
-from reft_ext import status as node_status
+from reft_ext.cluster import status as node_status
 from reft_ext.config import ReftConfig
-from reft_ext.health import run_health_check
-from reft_ext.health_config import HealthConfig
-from reft_ext.shm import job_dir
+from reft_ext.cluster.health import run_health_check
+from reft_ext.cluster.health_config import HealthConfig
+from reft_ext.store.shm import job_dir
 
 EXIT_REGROUP = 75    # EX_TEMPFAIL: healthy worker, restart me in the smaller job
 EXIT_EXCLUDED = 76   # a worker of the failed node (its agent is stopping it anyway)
@@ -148,7 +148,7 @@ def startup_health_check(args) -> bool:
                           ignore_errors=True)
         _leave(EXIT_EXCLUDED, True, pg)
     if cfg.enabled:  # who this rank was, for REFT-load in the smaller job (reft_ext/reshard)
-        from reft_ext.reshard import write_handover
+        from reft_ext.load.reshard import write_handover
 
         write_handover(cfg.shm_dir, cfg.job_id, rank, node, world)
     _leave(EXIT_REGROUP, False, pg)

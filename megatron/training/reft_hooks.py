@@ -17,14 +17,14 @@ from megatron.training import fault_injection, optimizer_state
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import emit
 from reft_ext.config import ReftConfig, ReftConfigError
-from reft_ext.identity import refuse_other_runs
-from reft_ext import status as node_status
-from reft_ext import summary
-from reft_ext.rollback import RollbackConfig, RollbackError, SpikeDetector
-from reft_ext.recovery import recover
-from reft_ext.shm import ShmDirError, ensure_private_dir, job_dir
-from reft_ext.snapshot import ReftSnapshotter, reft_print
-from reft_ext.store import from_jsonable, to_jsonable
+from reft_ext.state.identity import refuse_other_runs
+from reft_ext.cluster import status as node_status
+from reft_ext.report import summary
+from reft_ext.load.rollback import RollbackConfig, RollbackError, SpikeDetector
+from reft_ext.load.recover import recover
+from reft_ext.store.shm import ShmDirError, ensure_private_dir, job_dir
+from reft_ext.save.snapshotter import ReftSnapshotter, reft_print
+from reft_ext.store.slots import from_jsonable, to_jsonable
 
 
 def _all_dp_groups() -> list[list[int]]:
@@ -79,7 +79,7 @@ class MegatronStateAdapter:
         return [c.optimizer for c in getattr(opt, "chained_optimizers", [opt])]
 
     def identity(self) -> dict:
-        """What makes a state this run's (reft_ext/identity.py): not the DP size, which an
+        """What makes a state this run's (reft_ext/state/identity.py): not the DP size, which an
         elastic shrink changes."""
         from megatron.training.checkpointing import run_identity
 
@@ -113,7 +113,7 @@ class ReftHook:
             self.snap.fault = self._fault_in_snapshot
         fault_injection.NODE_LOSS_CALLBACKS.append(self.wipe_node)
         fault_injection.CORRUPT_CALLBACKS.append(self.corrupt)
-        self.heartbeat = None  # --reft-hang-timeout (reft_ext/heartbeat.py), from on_start
+        self.heartbeat = None  # --reft-hang-timeout (reft_ext/cluster/heartbeat.py), from on_start
         self.state = state
         self.args = args
         self.rollback_cfg = RollbackConfig.from_args(args)
@@ -147,14 +147,14 @@ class ReftHook:
         if why:
             raise ReftConfigError(why)
         if self.cfg.flush_dir:  # save-on-failure tier: back into memory when newer
-            from reft_ext.flush import import_flushed
+            from reft_ext.load.flushed import import_flushed
 
             flushed = import_flushed(self.snap.store, self.cfg.flush_dir, self.snap.nbytes)
             if flushed is not None:
                 reft_print(f"rank {self.adapter.rank}: host memory had nothing newer than "
                            f"the flushed snapshot of iteration {flushed} in {self.cfg.flush_dir}: "
                            f"loaded it into host memory")
-        from reft_ext.reshard import reshard_from_memory
+        from reft_ext.load.reshard import reshard_from_memory
 
         # after an elastic shrink (docs/nodes.md): the old job's snapshots, resharded
         it = reshard_from_memory(self.snap, persistent_iteration)
@@ -162,7 +162,7 @@ class ReftHook:
             self.count_recovery("memory, resharded after a shrink")
             return it
         # a fused restore that fails a checksum leaves bytes in the model that only a
-        # full persistent load replaces (reft_ext/recovery.py recover)
+        # full persistent load replaces (reft_ext/load/recover.py recover)
         it = recover(self.snap, persistent_iteration, fuse=not self.args.no_load_optim)
         if it is not None:
             self.count_recovery(self.snap.recovered_from or "host memory")
@@ -175,7 +175,7 @@ class ReftHook:
     def on_start(self, state):
         self.snap.start()  # AOR: every holder gets its owner's (restored) shard
         if self.cfg.hang_timeout > 0:  # before the watcher reads it; armed after 1 iteration
-            from reft_ext.heartbeat import Heartbeat
+            from reft_ext.cluster.heartbeat import Heartbeat
 
             self.heartbeat = Heartbeat(self.snap.store.dir, self.adapter.rank, state.iteration)
             self.snap.events.heartbeat = self.heartbeat
@@ -185,8 +185,8 @@ class ReftHook:
 
     def _start_watcher(self):
         """Save-on-failure: the node's first rank starts a watcher of the node's workers
-        (its own session, so it outlives them; reft_ext/watcher.py)."""
-        from reft_ext.watcher import spawn
+        (its own session, so it outlives them; reft_ext/cluster/watcher.py)."""
+        from reft_ext.cluster.watcher import spawn
 
         a, sig = self.adapter, self.snap.signals
         pids = [None] * a.world_size
@@ -213,7 +213,7 @@ class ReftHook:
         if self.heartbeat is not None:
             self.heartbeat.iteration_done(state.iteration)
 
-    # ---- loss-spike rollback (reft_ext/rollback.py) ---------------------------------
+    # ---- loss-spike rollback (reft_ext/load/rollback.py) ---------------------------------
     def _job_wide(self, report: dict) -> tuple[float | None, float | None]:
         """(loss, grad norm) as every rank must see them: the loss lives on the last
         pipeline stage, and a NaN in one rank's gradients may not reach every rank's grad

@@ -38,7 +38,7 @@ class TrainingState:
     # the rest (REFT's counters for its end-of-run summary: snapshots, recoveries)
     extra: dict = field(default_factory=dict)
     # the last step's job-wide loss and grad norm as the trainer saw them (not saved):
-    # what loss-spike rollback judges (reft_ext/rollback.py)
+    # what loss-spike rollback judges (reft_ext/load/rollback.py)
     report: dict = field(default_factory=dict)
 
     # ---- scalars -------------------------------------------------------------

@@ -105,7 +105,7 @@ class Trainer:
         # plain run calls megatron-core exactly as Megatron-LM does
         self.events, self.fb_kwargs = None, {}
         if args.reft_snapshot_every or args.reft_trace_file:
-            from reft_ext.timeline import PipelineEvents
+            from reft_ext.report.timeline import PipelineEvents
 
             self.events = PipelineEvents(torch.distributed.get_rank(),
                                          trace=bool(args.reft_trace_file))
@@ -308,7 +308,7 @@ class Trainer:
 
     def _long_phase(self):
         """Checkpoint saves and validation beat nowhere and may outlast
-        --reft-hang-timeout: hang detection pauses for them (reft_ext/heartbeat.py)."""
+        --reft-hang-timeout: hang detection pauses for them (reft_ext/cluster/heartbeat.py)."""
         hb = self.reft.heartbeat if self.reft is not None else None
         return hb.paused() if hb is not None else contextlib.nullcontext()
 
@@ -354,7 +354,7 @@ class Trainer:
 
     def _write_trace(self) -> None:
         """Every rank's events to rank 0, one Chrome trace file."""
-        from reft_ext.timeline import write_chrome_trace
+        from reft_ext.report.timeline import write_chrome_trace
 
         tr = self.events.trace
         tr.labels["process"] = (f"rank {tr.rank} (tp {mpu.get_tensor_model_parallel_rank()}, "

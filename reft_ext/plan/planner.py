@@ -4,7 +4,7 @@
 * sizes: :func:`reft_ext.plan.state.rank_snapshot` (``StateLayout`` + ``snapshot_regions``
   over meta tensors),
 * placement: ``ReftConfig.node_of`` / ``ReftConfig.validate_layout``,
-* bubbles and the tier split: ``reft_ext.bubbles`` (the HAS scheduler's arithmetic).
+* bubbles and the tier split: ``reft_ext.save.bubbles`` (the HAS scheduler's arithmetic).
 
 Estimates that are this module's own (hardware figures in, seconds out) are marked as such
 in docs/planner.md: FLOPs -> t_fb, the tier-2 interference, REFT-load's byte movements.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reft_ext.bubbles import bubble_time, iteration_time, snapshot_time, tier_split
+from reft_ext.save.bubbles import bubble_time, iteration_time, snapshot_time, tier_split
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.plan.common import PlanConfigError, fail, positive
 from reft_ext.plan.common import flag_field as _f
@@ -66,7 +66,7 @@ def aor_replica_bytes(snap: RankSnapshot) -> int:
 
 
 def host_bytes(snap: RankSnapshot, aor: bool) -> int:
-    """Host memory of one rank: two slots (snapshot.py ``_check_memory``); with AOR each
+    """Host memory of one rank: two slots (reft_ext/save/snapshotter.py ``_check_memory``); with AOR each
     slot also holds a copy of the replica, which lives on the host as well, next to a
     receive buffer (peer's fp32 gradient shard) and a send buffer (its own)."""
     if not aor:

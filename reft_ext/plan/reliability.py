@@ -29,7 +29,7 @@ import numpy as np
 
 from reft_ext.plan.common import fail, positive
 from reft_ext.plan.common import flag_field as _f
-from reft_ext.progress import Progress, progress
+from reft_ext.report.progress import Progress, progress
 
 HOUR = 3600.0
 

@@ -5,7 +5,7 @@ a real run (model parameters of every model chunk, then the optimizer's main par
 they own storage, then Adam's moments), and is split into replicated / owned as
 ``MegatronStateAdapter`` does. The tensors live on the meta device, so a 34B model's
 per-rank state is sized without allocating it, and fed to the same
-:class:`reft_ext.layout.StateLayout` and :func:`reft_ext.protection.snapshot_regions` as
+:class:`reft_ext.state.layout.StateLayout` and :func:`reft_ext.protect.schemes.snapshot_regions` as
 real snapshots (tests/test_plan.py checks the result against a real run's manifests).
 
 The distributed optimizer's shards follow megatron-core 0.16.1 with the trainer's DDP
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reft_ext.layout import StateLayout
+from reft_ext.state.layout import StateLayout
 from reft_ext.plan.model import ModelConfig, ParallelConfig
-from reft_ext.protection import make_protection, snapshot_regions
+from reft_ext.protect.schemes import make_protection, snapshot_regions
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,0 +1,161 @@
+"""REFT's state signals, one small status file per node (failure domain).
+
+    <shm>/reft-<job>-node<n>.status.json   {"node", "ranks", "state", "iteration", ...}
+
+Next to the node's shared-memory directory, not inside it: a node whose memory is wiped
+still gets its OFFLINE written by whoever saw it go (the launcher, the node's watcher).
+States (REFT's workflow): HEALTHY (training started), SNAP (a snapshot is being copied),
+COMPLETED (the node's shards of ``iteration`` are complete and committed), UNHEALTHY (a
+worker died, the node's memory is intact), OFFLINE (the node is gone), FINISHED (training
+ended normally; the watcher must not flush). Writes are atomic (tmp + rename, 0600) and not
+fsynced: a tmpfs file written at most twice per snapshot by one rank per node.
+Plain Python (no torch), so the watcher and ``tools/reft_status.py`` start fast.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import time
+
+HEALTHY, SNAP, COMPLETED = "HEALTHY", "SNAP", "COMPLETED"
+UNHEALTHY, OFFLINE, FINISHED = "UNHEALTHY", "OFFLINE", "FINISHED"
+STATES = (HEALTHY, SNAP, COMPLETED, UNHEALTHY, OFFLINE, FINISHED)
+
+
+def path(shm_dir: str, job: str, node: int) -> str:
+    return os.path.join(shm_dir, f"reft-{job}-node{node}.status.json")
+
+
+def watcher_pid_path(shm_dir: str, job: str, node: int) -> str:
+    return os.path.join(shm_dir, f"reft-{job}-node{node}.watcher.pid")
+
+
+def write_atomic(p: str, text: str) -> None:
+    tmp = f"{p}.{os.getpid()}.tmp"  # per writer: the launcher and a rank may race
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, p)
+
+
+def read(shm_dir: str, job: str, node: int) -> dict | None:
+    try:
+        with open(path(shm_dir, job, node)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write(shm_dir: str, job: str, node: int, state: str, iteration: int | None = None,
+          ranks: list[int] | None = None, detail: str = "") -> dict:
+    """Set the node's state; fields not given keep their last value (iteration = last
+    COMPLETED iteration, ranks = the node's global ranks)."""
+    if state not in STATES:
+        raise ValueError(f"unknown REFT node state {state!r}")
+    old = read(shm_dir, job, node) or {}
+    rec = {"node": node, "ranks": ranks if ranks is not None else old.get("ranks", []),
+           "state": state,
+           "iteration": iteration if iteration is not None else old.get("iteration"),
+           "updated": time.time(), "detail": detail, "pid": os.getpid()}
+    write_atomic(path(shm_dir, job, node), json.dumps(rec))
+    return rec
+
+
+def read_job(shm_dir: str, job: str) -> list[dict]:
+    """Every node's status of a job, by node index."""
+    out = []
+    rx = re.compile(rf"reft-{re.escape(job)}-node(\d+)\.status\.json$")
+    for p in glob.glob(os.path.join(shm_dir, f"reft-{glob.escape(job)}-node*.status.json")):
+        m = rx.search(p)
+        if m:
+            rec = read(shm_dir, job, int(m.group(1)))
+            if rec is not None:
+                out.append(rec)
+    return sorted(out, key=lambda r: r["node"])
+
+
+def jobs(shm_dir: str) -> list[str]:
+    names = glob.glob(os.path.join(shm_dir, "reft-*-node*.status.json"))
+    return sorted({re.sub(r"^reft-(.*)-node\d+\.status\.json$", r"\1", os.path.basename(n))
+                   for n in names})
+
+
+# ---- the node's watcher process (reft_ext/cluster/watcher.py) -----------------------------
+def watcher_pid(shm_dir: str, job: str, node: int) -> int | None:
+    try:
+        with open(watcher_pid_path(shm_dir, job, node)) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def kill_watcher(shm_dir: str, job: str, node: int) -> None:
+    """A lost node's processes die with it, its watcher included."""
+    pid = watcher_pid(shm_dir, job, node)
+    if pid is not None and _is_watcher(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.unlink(watcher_pid_path(shm_dir, job, node))
+    except FileNotFoundError:
+        pass
+
+
+def _is_watcher(pid: int) -> bool:
+    """Guard against pid reuse: only ever signal our own watcher module."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"reft_ext.cluster.watcher" in f.read()
+    except OSError:
+        return False
+
+
+def wait_watchers(shm_dir: str, job: str, timeout: float) -> bool:
+    """Wait until no watcher of the job runs (they exit after flushing)."""
+    deadline = time.time() + timeout
+    pattern = os.path.join(shm_dir, f"reft-{glob.escape(job)}-node*.watcher.pid")
+    while time.time() < deadline:
+        alive = []
+        for p in glob.glob(pattern):
+            try:
+                pid = int(open(p).read().strip())
+                if _is_watcher(pid):
+                    alive.append(pid)
+            except (OSError, ValueError):
+                pass
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class NodeSignals:
+    """The ranks' side of the signals: the node's first rank writes for the whole node
+    (one writer per file; the others are no-ops). Never lets a failed write stop
+    training: the signals inform, the snapshots and their checksums decide."""
+
+    def __init__(self, shm_dir: str, job: str, node: int, ranks: list[int], leader: bool):
+        self.shm_dir, self.job, self.node, self.ranks = shm_dir, job, node, ranks
+        self.leader, self.iteration = leader, None
+        self.path = path(shm_dir, job, node)
+
+    def set(self, state: str, iteration: int | None = None, detail: str = "") -> None:
+        if not self.leader:
+            return
+        if iteration is not None:
+            self.iteration = iteration
+        rec = {"node": self.node, "ranks": self.ranks, "state": state,
+               "iteration": self.iteration, "updated": time.time(), "detail": detail,
+               "pid": os.getpid()}
+        try:
+            write_atomic(self.path, json.dumps(rec))
+        except OSError:
+            pass

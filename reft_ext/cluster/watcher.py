@@ -1,0 +1,194 @@
+"""Save-on-failure: one small process per node that outlives the node's workers.
+
+Started by the node's first rank (``spawn``) in its own session, so neither the death of
+a worker nor torchrun's SIGTERM/SIGKILL of the worker group reaches it. It polls the
+node's worker pids; when one dies (crash, or SIGTERM from a preempted agent):
+
+1. the node's status becomes UNHEALTHY (its memory is intact), or OFFLINE when the
+   node's shared-memory directory is gone (a lost node: nothing left to save);
+2. it waits for the node's other workers to go too (torchrun stops them at once), so the
+   snapshots are quiescent while they are copied;
+3. it copies every complete snapshot slot of the node's ranks (manifest present) and the
+   commit pointers to ``--reft-flush-dir``: the manifest is removed first and renamed into
+   place after the fsynced data, so a flush cut short never pairs a manifest with torn
+   bytes (and REFT-load verifies the checksums anyway). Both slots are kept because the
+   newest iteration every rank of the job holds may be the older one.
+
+With ``--reft-hang-timeout`` it also reads the ranks' heartbeats (reft_ext/cluster/heartbeat.py):
+a rank silent past its limit is named in one ``[REFT] hang: ...`` line and in the node's
+status, and SIGKILLed (which works on a stopped process too); from there it is a worker
+death like any other (steps 1-3), with the node's memory intact.
+
+When training ends normally the ranks mark the node FINISHED and the watcher just exits.
+Plain Python (no torch): it starts in milliseconds and costs one poll per 0.1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from reft_ext.cluster import heartbeat
+from reft_ext.cluster import status
+
+POLL_S = 0.1
+QUIESCE_S = 20.0  # torchrun stops the other workers within its own 30 s grace
+
+
+def alive(pid: int) -> bool:
+    """A zombie (dead, not yet reaped by the agent) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _copy_durable(src: str, dst: str) -> None:
+    tmp = f"{dst}.tmp"
+    with open(src, "rb") as fi, open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                             0o600), "wb") as fo:
+        shutil.copyfileobj(fi, fo, 16 << 20)
+        fo.flush()
+        os.fsync(fo.fileno())
+    os.replace(tmp, dst)
+
+
+def flush_node(node_dir: str, flush_dir: str) -> dict[int, list[int]]:
+    """Copy the node's complete snapshot slots to flush_dir; rank -> flushed iterations."""
+    os.makedirs(flush_dir, mode=0o700, exist_ok=True)
+    done: dict[int, list[int]] = {}
+    for mpath in sorted(glob.glob(os.path.join(node_dir, "rank*.slot*.json"))):
+        name = os.path.basename(mpath)[:-len(".json")]
+        try:
+            with open(mpath) as f:
+                text = f.read()
+            manifest = json.loads(text)
+            if os.path.getsize(os.path.join(node_dir, name + ".bin")) < manifest["nbytes"]:
+                continue
+        except (OSError, ValueError, KeyError):
+            continue  # being rewritten or torn: not a complete slot
+        try:
+            os.unlink(os.path.join(flush_dir, name + ".json"))  # manifest last, as in shm
+        except FileNotFoundError:
+            pass
+        _copy_durable(os.path.join(node_dir, name + ".bin"), os.path.join(flush_dir,
+                                                                          name + ".bin"))
+        tmp = os.path.join(flush_dir, name + ".json.tmp")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(flush_dir, name + ".json"))
+        done.setdefault(int(manifest["rank"]), []).append(int(manifest["iteration"]))
+    for c in glob.glob(os.path.join(node_dir, "rank*.committed")):
+        try:
+            _copy_durable(c, os.path.join(flush_dir, os.path.basename(c)))
+        except OSError:
+            pass
+    return done
+
+
+def kill_hung(a, hung: list[dict]) -> str:
+    """Report and SIGKILL the hung ranks; returns the cause for the node's status."""
+    lines = [heartbeat.describe(h, a.node, a.hang_timeout) for h in hung]
+    for h, line in zip(hung, lines):
+        status.write(a.shm_dir, a.job, a.node, status.UNHEALTHY, detail=f"hang: {line}")
+        print(f"[REFT] hang: {line}; SIGKILL so that torchrun restarts the workers",
+              flush=True)
+        try:
+            os.kill(h["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 5.0  # until /proc shows it dead (the agent reaps it)
+    while any(alive(h["pid"]) for h in hung) and time.time() < deadline:
+        time.sleep(0.01)
+    return "hang: " + "; ".join(lines)
+
+
+def watch(a) -> int:
+    pids = [int(p) for p in a.pids.split(",")]
+    node_dir = os.path.join(a.shm_dir, f"reft-{a.job}-node{a.node}")
+    ranks = [int(r) for r in a.ranks.split(",")] if a.ranks else []
+    hangs = heartbeat.HangMonitor(node_dir, ranks, pids, a.hang_timeout) \
+        if a.hang_timeout > 0 and ranks else None
+    cause = ""
+    while all(alive(p) for p in pids):
+        hung = hangs.check() if hangs is not None else []
+        if hung:
+            cause = kill_hung(a, hung)
+            break
+        time.sleep(POLL_S)
+    rec = status.read(a.shm_dir, a.job, a.node) or {}
+    if rec.get("state") == status.FINISHED:
+        if not os.path.isdir(node_dir):  # snapshots removed at the end: nothing to show
+            for q in (status.path(a.shm_dir, a.job, a.node),
+                      status.watcher_pid_path(a.shm_dir, a.job, a.node)):
+                try:
+                    os.unlink(q)
+                except FileNotFoundError:
+                    pass
+        return 0
+    dead = [p for p in pids if not alive(p)]
+    if not os.path.isdir(node_dir):
+        status.write(a.shm_dir, a.job, a.node, status.OFFLINE,
+                     detail=f"worker(s) {dead} died and the node's memory is gone")
+        return 0
+    died = cause or f"worker(s) {dead} died"
+    status.write(a.shm_dir, a.job, a.node, status.UNHEALTHY,
+                 detail=f"{died}; node memory intact")
+    deadline = time.time() + QUIESCE_S
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(POLL_S)
+    if not a.flush_dir:
+        return 0
+    t0 = time.time()
+    done = flush_node(node_dir, a.flush_dir)
+    its = sorted({i for v in done.values() for i in v})
+    msg = (f"flushed node {a.node}'s snapshots (ranks {sorted(done)}, iterations {its}) to "
+           f"{a.flush_dir} in {time.time() - t0:.2f} s")
+    status.write(a.shm_dir, a.job, a.node, status.UNHEALTHY,
+                 detail=f"{cause}; {msg}" if cause else msg)
+    print(f"[REFT] {msg}", flush=True)
+    return 0
+
+
+def spawn(shm_dir: str, job: str, node: int, pids: list[int], flush_dir: str,
+          ranks: list[int] | None = None, hang_timeout: float = 0.0) -> int:
+    """Start the node's watcher in its own session; returns its pid. ``ranks`` (the
+    global ranks of ``pids``, same order) and ``hang_timeout`` > 0 turn on hang detection."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reft_ext.cluster.watcher", "--shm-dir", shm_dir, "--job", job,
+         "--node", str(node), "--pids", ",".join(map(str, pids)), "--flush-dir", flush_dir,
+         "--ranks", ",".join(map(str, ranks or [])), "--hang-timeout", str(hang_timeout)],
+        env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    status.write_atomic(status.watcher_pid_path(shm_dir, job, node), str(p.pid))
+    return p.pid
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="REFT node watcher (save-on-failure, hang detection)")
+    p.add_argument("--shm-dir", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--node", type=int, required=True)
+    p.add_argument("--pids", required=True)
+    p.add_argument("--flush-dir", default="")
+    p.add_argument("--ranks", default="", help="global ranks of --pids (hang detection)")
+    p.add_argument("--hang-timeout", type=float, default=0.0,
+                   help="seconds without a heartbeat before a rank counts as hung (0 = off)")
+    return watch(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

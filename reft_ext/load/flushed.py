@@ -1,0 +1,86 @@
+"""The flushed tier: snapshots a node's watcher copied to ``--reft-flush-dir`` when its
+workers died (reft_ext/cluster/watcher.py), read back at REFT-load.
+
+It sits between host memory and the persistent checkpoint. Rather than a second recovery
+path, the flushed slots of a rank are put back into its shared-memory store when they are
+newer than what the store holds (a job restarted from scratch, a replaced node): REFT-load
+then treats them exactly as host memory, so the same checksum verification (a torn or
+corrupt file is never loaded), the same job-wide planning (newest iteration every sharding
+group can rebuild wins) and the same comparison with ``--load`` apply.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+from reft_ext.store.slots import SnapshotStore, read_sealed
+
+_reported: set = set()  # (path, why): one line per bad flushed file
+
+
+def _read(path: str) -> dict | None:
+    """A flushed manifest or commit pointer, if whole (its own checksum, as in memory)."""
+    obj, why = read_sealed(path)
+    if why is not None and (path, why) not in _reported:
+        _reported.add((path, why))
+        from reft_ext.save.snapshotter import reft_print
+
+        reft_print(f"{path} {why}: not used")
+    return obj
+
+
+def flushed_manifests(flush_dir: str, rank: int) -> dict[int, dict]:
+    """slot -> manifest of this rank's flushed slots whose data file is whole."""
+    out = {}
+    for p in glob.glob(os.path.join(flush_dir, f"rank{rank}.slot*.json")):
+        m = re.search(r"\.slot(\d+)\.json$", p)
+        try:
+            man = _read(p)
+            if man is None:
+                continue
+            if os.path.getsize(p[:-len(".json")] + ".bin") >= man["nbytes"]:
+                out[int(m.group(1))] = man
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | None:
+    """Put this rank's flushed slots into its store when they are newer than what memory
+    holds; returns the newest imported iteration, or None."""
+    if not flush_dir or not os.path.isdir(flush_dir):
+        return None
+    flushed = {s: m for s, m in flushed_manifests(flush_dir, store.rank).items()
+               if m.get("nbytes") == nbytes and s in store.slots}
+    if not flushed:
+        return None
+    in_memory = [int(m["iteration"]) for m in store.manifests().values()]
+    newest = max(int(m["iteration"]) for m in flushed.values())
+    if in_memory and max(in_memory) >= newest:
+        return None  # the node's memory survived: it is at least as new
+    for slot in store.slots:
+        try:  # every manifest goes first: no old manifest may describe new bytes
+            os.unlink(store._path(store._name(slot, "json")))
+        except FileNotFoundError:
+            pass
+    for slot, man in flushed.items():
+        dst = store.data(slot, nbytes)
+        with open(os.path.join(flush_dir, f"rank{store.rank}.slot{slot}.bin"), "rb") as f:
+            f.readinto(memoryview(dst.numpy()))
+        store.finish(slot, man)
+    # the commit pointer the node had (the watcher copies it): a slot finished on this
+    # rank but never committed job-wide stays uncommitted here too
+    try:
+        pointer = _read(os.path.join(flush_dir, f"rank{store.rank}.committed"))
+    except OSError:
+        pointer = None
+    if pointer and pointer.get("slot") in flushed and \
+            int(flushed[pointer["slot"]]["iteration"]) == int(pointer.get("iteration", -1)):
+        store.commit(pointer["slot"], int(pointer["iteration"]))
+    else:
+        last = max(flushed, key=lambda s: int(flushed[s]["iteration"]))
+        store.commit(last, int(flushed[last]["iteration"]))
+    return newest
+

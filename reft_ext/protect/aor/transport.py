@@ -1,0 +1,230 @@
+"""AOR transport: ship each owner's step inputs to its holder and apply them off the
+training thread.
+
+Ring as ARC: in a sharding group of D members, member d holds the replica of member
+(d+1) mod D, so member d's shard is held by (d-1) mod D. One dedicated gloo group per
+sharding group (:func:`new_aor_group`) carries only AOR traffic, so it never queues
+behind or interleaves with megatron's collectives.
+
+Per optimizer step (a torch ``step`` pre-hook on the owner's first torch optimizer, i.e.
+inside megatron's ``optimizer.step()``, after reduce-scatter, unscale and clipping and
+before any torch Adam step of this iteration), on the main thread:
+
+1. owner: wait for the previous send (long done: its receiver posted it a step ago),
+   pack ``[header | reduced clipped fp32 grads]`` into one buffer, ``isend`` it;
+2. holder: wait until the previous message is applied (the receive buffer is free),
+   ``irecv`` the next one and queue it.
+
+A background thread waits for the receive and applies the step to the replica with
+torch's functional Adam (torch ops release the GIL). Only the main thread posts
+communication; the thread only waits on a posted ``Work``. Skipped steps (found inf)
+never reach the torch step on any rank, so no message is sent or expected.
+
+Call sites (see docs/aor.md): :meth:`AORTransport.initialize` on every rank of the group
+after the owner's state is final at start-up (after load/recovery, before the first
+step), :meth:`wait` before anything reads the replica, :meth:`verify` every N
+iterations after ``optimizer.step()``, :meth:`close` at exit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from reft_ext.protect.aor.replica import AORReplica, OwnerShard
+
+TAG_INIT, TAG_STEP = 0xA0F0, 0xA0F1
+
+
+def new_aor_group(my_ranks: list[int]):
+    """A dedicated gloo group for this rank's sharding group (given as its global ranks,
+    e.g. megatron's data-parallel group). Collective over the whole job: every rank must
+    call it once, at the same point (torch creates every group on every rank)."""
+    world = dist.get_world_size()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, sorted(my_ranks))
+    groups = []
+    for g in gathered:
+        if g not in groups:
+            groups.append(g)
+    mine = None
+    for ranks in groups:
+        pg = dist.new_group(ranks=ranks, backend="gloo")
+        if dist.get_rank() in ranks:
+            mine = pg
+    return mine
+
+
+def _default_alloc(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class AORTransport:
+    """This rank as owner of its shard and as holder of the replica of member (d+1) mod D.
+
+    ``torch_optimizers``: the torch optimizers inside megatron's optimizer, in chain order
+    (``[c.optimizer for c in optimizer.chained_optimizers]``); ``alloc(nbytes)`` returns
+    the replica's host buffer (uint8; e.g. a view of a /dev/shm segment), called once the
+    peer's shard size is known.
+    """
+
+    def __init__(self, torch_optimizers, group, alloc=None, log=None):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.rank = dist.get_rank()
+        self.D = len(self.ranks)
+        if self.D < 2:
+            raise ValueError("AOR needs a sharding (data-parallel) group of 2 or more")
+        d = self.ranks.index(self.rank)
+        self.owner_rank = self.ranks[(d + 1) % self.D]   # whose shard I hold
+        self.holder_rank = self.ranks[(d - 1) % self.D]  # who holds mine
+        self.owner = OwnerShard(torch_optimizers)
+        self.alloc = alloc or _default_alloc
+        self.log = log or (lambda msg: print(msg, flush=True))
+        self.replica: AORReplica | None = None
+        self.warnings: list[str] = []
+        self._hook = None
+        self._thread = None
+        self._q: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._send_work = None
+        self.seq_sent = self.seq_recv = 0
+
+    # ---- start-up / after recovery ----------------------------------------------------
+    def initialize(self) -> None:
+        """Give every holder its owner's full shard state (collective over the group).
+        Call at start-up once the owner's state is final (after a checkpoint load or a
+        REFT recovery), and again after any recovery that replaced a member."""
+        if self._thread is not None:
+            self.wait()
+        self._wait_send()
+        self.owner.materialize()
+        specs = [None] * self.D
+        dist.all_gather_object(specs, self.owner.spec, group=self.group)
+        peer = specs[self.ranks.index(self.owner_rank)]
+        if self.replica is None or self.replica.spec != peer:
+            self.replica = AORReplica(peer, self.alloc(peer.nbytes))
+        mine = self.owner.spec
+        if (peer.torch_version, peer.num_threads) != (mine.torch_version, mine.num_threads):
+            self.warnings.append(
+                f"rank {self.owner_rank} runs torch {peer.torch_version} with "
+                f"{peer.num_threads} threads, this holder {mine.torch_version} with "
+                f"{mine.num_threads}: bit identity is not guaranteed (verify will tell)")
+            self.log(f"[AOR] rank {self.rank}: WARNING {self.warnings[-1]}")
+        packed = torch.empty(mine.nbytes, dtype=torch.uint8)
+        self.owner.pack_state(packed)
+        rw = dist.irecv(self.replica.buffer, src=self.owner_rank, group=self.group,
+                        tag=TAG_INIT)
+        sw = dist.isend(packed, dst=self.holder_rank, group=self.group, tag=TAG_INIT)
+        rw.wait()
+        sw.wait()
+        self.replica.valid, self.replica.reason, self.replica.applied = True, "", 0
+        self.seq_sent = self.seq_recv = 0
+        self._send_buf = torch.empty(mine.message_nbytes, dtype=torch.uint8)
+        self._recv_buf = torch.empty(peer.message_nbytes, dtype=torch.uint8)
+        if self._hook is None and self.owner.opts:
+            self._hook = self.owner.opts[0].register_step_pre_hook(self._on_step)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="aor-replica",
+                                            daemon=True)
+            self._thread.start()
+
+    # ---- every optimizer step (main thread, inside optimizer.step) ----------------------
+    def _on_step(self, _opt, _args, _kwargs) -> None:
+        spec = self.owner.spec
+        self._wait_send()
+        h = 8 * spec.header_len
+        self.owner.capture(self._send_buf[:h].view(torch.float64),
+                           self._send_buf[h:].view(torch.float32), self.seq_sent)
+        self._send_work = dist.isend(self._send_buf, dst=self.holder_rank,
+                                     group=self.group, tag=TAG_STEP)
+        self.seq_sent += 1
+        self._q.join()  # the previous message is applied: the receive buffer is free
+        self._raise_if_failed()
+        work = dist.irecv(self._recv_buf, src=self.owner_rank, group=self.group,
+                          tag=TAG_STEP)
+        self._q.put((work, self.seq_recv))
+        self.seq_recv += 1
+
+    def _wait_send(self) -> None:
+        # Exactly once per send: a gloo SendWork's wait() consumes one completion of its
+        # buffer, so a second wait() on the same work blocks forever (seen when a paused
+        # transport was initialized again: initialize() and the next step both waited).
+        if self._send_work is not None:
+            self._send_work.wait()
+            self._send_work = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                work, seq = item
+                work.wait()
+                self.replica.apply_message(self._recv_buf, seq)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the main thread
+                self._error = exc
+            finally:
+                self._q.task_done()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"AOR replica thread failed: {self._error!r}") from self._error
+
+    # ---- readers ------------------------------------------------------------------------
+    def wait(self) -> bool:
+        """Block until every received step is applied; True if the replica is usable.
+        Call before reading the replica (snapshot, verify, recovery)."""
+        self._q.join()
+        self._raise_if_failed()
+        return self.replica.valid
+
+    def reading(self):
+        """``with transport.reading():`` excludes a concurrent apply while copying."""
+        return self.replica.lock
+
+    def verify(self, iteration: int | None = None) -> dict:
+        """Compare this holder's replica with its owner's live shard (collective over the
+        group; call on every member after ``optimizer.step()`` of the same iteration). A
+        mismatch is logged loudly and invalidates the replica: recovery must not use it."""
+        self.wait()
+        mine = (self.owner.checksum(), self.replica.checksum())
+        gathered = [None] * self.D
+        dist.all_gather_object(gathered, mine, group=self.group)
+        expected = gathered[self.ranks.index(self.owner_rank)][0]
+        match = mine[1] == expected
+        if not match and self.replica.valid:
+            self.replica.invalidate(f"checksum mismatch at iteration {iteration}")
+            self.log(f"[AOR] rank {self.rank}: MISMATCH at iteration {iteration}: replica of "
+                     f"rank {self.owner_rank} has checksum {mine[1]:016x}, the owner "
+                     f"{expected:016x}; recovery from this replica is disabled")
+        return {"iteration": iteration, "owner": self.owner_rank, "match": match,
+                "replica": mine[1], "expected": expected, "valid": self.replica.valid,
+                "step": self.replica.step_count()}
+
+    def pause(self) -> None:
+        """Stop shipping steps (the replica goes stale: :meth:`initialize` again to resume).
+        The overhead benchmark uses it to give other methods the same processes."""
+        self.wait()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def traffic_per_step(self) -> int:
+        """Bytes this rank sends per optimizer step (one message to its holder)."""
+        return self.owner.spec.message_nbytes
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.wait()
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+        self._wait_send()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

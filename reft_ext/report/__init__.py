@@ -1,0 +1,1 @@
+"""What users see: progress bars, the end-of-run summary, Chrome-trace timelines."""

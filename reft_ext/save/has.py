@@ -1,0 +1,175 @@
+"""Hierarchical Asynchronous Snapshotting: a snapshot thread that copies the state of
+iteration i, chunk by chunk, while iteration i+1 runs its forward and backward passes.
+
+Consistency: forward and backward do not write parameters or optimizer state (only
+gradients and activations), so the state of iteration i stands still until the optimizer
+step of iteration i+1; the trainer calls :meth:`HasWorker.drain` right before that step
+and whatever is left is copied then (that wait is the snapshot's overhead).
+
+Tiers (Algorithm 1 in REFT.md, ``reft_ext/save/bubbles.py``): the first ``bubble_bytes`` of the
+snapshot are tier 1 and are copied only while the rank waits on pipeline communication
+(the schedule's p2p waits, reported through :class:`reft_ext.report.timeline.PipelineEvents`);
+the rest is tier 2 and is copied concurrently with compute, one small chunk at a time.
+A tier-1 chunk never competes with compute, a tier-2 chunk does, briefly. Tier 3
+(copying during communication) pays only where the snapshot and the training traffic use
+different links (PCIe vs NVLink/IB); on a CPU both are the memory bus, so it is not used.
+
+The ``host-thread`` baseline is the same thread with everything in tier 2: it copies the
+whole snapshot as soon as it is handed over, unaware of the schedule.
+
+Every unit of work (copy or XOR-encode one chunk into shared memory, then hash it) runs
+in torch/native/xxhash code that releases the GIL; the thread holds the GIL only to
+pick the next chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from reft_ext.report.timeline import Trace, now_us
+
+TIER1, TIER2 = 1, 2
+
+
+@dataclass
+class Unit:
+    """One chunk: ``run()`` fills it and returns its digest."""
+
+    region: str
+    index: int
+    nbytes: int
+    run: Callable[[], int]
+    tier: int = TIER2
+
+
+@dataclass
+class Batch:
+    """The units of one snapshot and what became of them."""
+
+    units: list[Unit]
+    iteration: int
+    digests: dict[str, dict[int, int]] = field(default_factory=dict)
+    done: int = 0
+    by_how: dict[str, int] = field(default_factory=lambda: {"bubble": 0, "compute": 0,
+                                                           "drain": 0})
+    busy_s: float = 0.0  # time spent running units
+    slot: int = -1
+    t0: float = 0.0
+    meta: dict | None = None
+    split: object = None
+    fault_checked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.units)
+
+
+class HasWorker:
+    """The snapshot thread of one rank; also a PipelineEvents listener."""
+
+    def __init__(self, trace: Trace, on_error: Callable[[BaseException], None] | None = None):
+        self.trace = trace
+        self._cv = threading.Condition()
+        self._batch: Batch | None = None
+        self._next = 0           # first unit not yet started (units run in list order ...)
+        self._skipped: list[int] = []  # ... except tier-1 units passed over outside bubbles
+        self._bubble = False
+        self._draining = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._on_error = on_error
+        self._thread = threading.Thread(target=self._loop, name="reft-has", daemon=True)
+        self._thread.start()
+
+    # ---- the trainer's side -------------------------------------------------------------
+    def submit(self, batch: Batch) -> None:
+        with self._cv:
+            if self._batch is not None and not self._batch.finished:
+                raise RuntimeError("HAS: a snapshot is still in flight")
+            self._batch, self._next, self._skipped = batch, 0, []
+            self._draining = False
+            self._cv.notify_all()
+
+    def drain(self) -> float:
+        """Copy whatever is left now; returns the seconds the caller waited."""
+        t0 = time.perf_counter()
+        with self._cv:
+            if self._batch is None:
+                return 0.0
+            self._draining = True
+            self._cv.notify_all()
+            while not self._batch.finished and self._error is None:
+                self._cv.wait()
+            self._draining = False
+            if self._error is not None:
+                raise RuntimeError("HAS snapshot thread failed") from self._error
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    # ---- PipelineEvents listener (called on the training thread) -------------------------
+    def wait_begin(self, name: str) -> None:
+        with self._cv:
+            self._bubble = True
+            self._cv.notify_all()
+
+    def wait_end(self, name: str) -> None:
+        self._bubble = False  # read by the thread between chunks; no need to wake it
+
+    # ---- the thread ----------------------------------------------------------------------
+    def _pick(self) -> tuple[Unit | None, str]:
+        b = self._batch
+        if b is None:
+            return None, ""
+        how = "drain" if self._draining else ("bubble" if self._bubble else "compute")
+        if how != "compute" and self._skipped:
+            return b.units[self._skipped.pop(0)], how
+        while self._next < len(b.units):
+            i = self._next
+            self._next += 1
+            u = b.units[i]
+            if u.tier == TIER1 and how == "compute":
+                self._skipped.append(i)  # waits for a bubble (or the drain)
+                continue
+            return u, how
+        return None, how
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if self._closed:
+                        return
+                    unit, how = self._pick()
+                    if unit is not None:
+                        break
+                    self._cv.wait()
+                batch = self._batch
+            t0 = now_us()
+            try:
+                digest = unit.run()
+            except BaseException as e:  # noqa: BLE001 - reported to the trainer at drain
+                with self._cv:
+                    self._error = e
+                    self._cv.notify_all()
+                if self._on_error:
+                    self._on_error(e)
+                return
+            t1 = now_us()
+            self.trace.complete(f"{unit.region}[{unit.index}]", f"snapshot-{how}", t0, t1,
+                                tid="snapshot", iteration=batch.iteration,
+                                tier=unit.tier, bytes=unit.nbytes)
+            with self._cv:
+                batch.digests.setdefault(unit.region, {})[unit.index] = digest
+                batch.by_how[how] += unit.nbytes
+                batch.busy_s += (t1 - t0) / 1e6
+                batch.done += 1
+                if batch.finished:
+                    self._cv.notify_all()

@@ -1,0 +1,1 @@
+"""Where snapshots live: private shared-memory segments, slots, commit pointers, checksums."""

@@ -1,0 +1,280 @@
+"""Snapshot store of one rank inside its failure domain's shared memory.
+
+A ring of K slots per rank (``--reft-keep K``, default 2), each a data segment plus a
+JSON manifest:
+
+    /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.bin    own slice | redundancy | owned
+    /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.json   iteration, layout, CRCs, metadata
+    /dev/shm/reft-<job>-node<n>/rank<r>.committed      the slot of the last job-wide commit
+
+A new snapshot always goes to an empty slot or the oldest one, never the committed one,
+and its manifest is deleted before the first byte is written and renamed into place
+only after the last (dirty-then-atomic-rename, as NVRx's local checkpoints do). So a crash mid-snapshot
+leaves the committed slot untouched and the torn slot without a manifest. Every region
+carries the checksum its owner computed from the source bytes; :meth:`verify` checks it.
+
+The manifest holds what REFT-load restores besides the bytes (RNG states, counters,
+scheduler) and the regions' checksums, and the commit pointer decides which iterations
+are candidates: each file carries the SHA-256 of its own content (``self_sha256``, over
+the canonical JSON of the rest). A file that fails it, or does not parse, is reported once
+in a ``[REFT]`` line naming it: a manifest is then treated as torn (its slot unusable on
+this rank, so the peers' redundancy rebuilds it or the job falls back), a commit pointer
+as absent (the job-wide newest commit decides). Files written before the field existed
+are judged as before.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+
+import numpy as np
+import torch
+
+from reft_ext.store.checksum import checksum
+from reft_ext.store.shm import ShmSegment, job_dir
+
+
+# ---- small metadata as JSON (RNG states, counters, scheduler) ------------------------
+def to_jsonable(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        return {"__tensor__": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy()
+                                               .tobytes()).decode(),
+                "dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape)}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode(),
+                "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [to_jsonable(x) for x in obj]}
+    if isinstance(obj, list):
+        return [to_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {"__dict__": [[to_jsonable(k), to_jsonable(v)] for k, v in obj.items()]}
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    return obj
+
+
+def from_jsonable(obj):
+    if isinstance(obj, list):
+        return [from_jsonable(x) for x in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        raw = bytearray(base64.b64decode(obj["__tensor__"]))
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, obj["dtype"])).reshape(obj["shape"]).clone()
+    if "__ndarray__" in obj:
+        return np.frombuffer(base64.b64decode(obj["__ndarray__"]),
+                             dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    if "__tuple__" in obj:
+        return tuple(from_jsonable(x) for x in obj["__tuple__"])
+    if "__dict__" in obj:
+        return {from_jsonable(k): from_jsonable(v) for k, v in obj["__dict__"]}
+    return obj
+
+
+SEAL = "self_sha256"  # the field of a manifest / commit pointer: digest of the rest
+
+
+def _digest(obj: dict) -> str:
+    """SHA-256 of the canonical JSON of ``obj`` without its seal (sorted keys: the same
+    text after any JSON round trip)."""
+    body = {k: v for k, v in obj.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def sealed(obj: dict) -> str:
+    """The JSON text of ``obj`` carrying its own digest (written once through JSON first,
+    so that what is hashed is exactly what a reader parses back)."""
+    plain = json.loads(json.dumps({k: v for k, v in obj.items() if k != SEAL}))
+    return json.dumps(dict(plain, **{SEAL: _digest(plain)}))
+
+
+def read_sealed(path: str) -> tuple[dict | None, str | None]:
+    """(content without the seal, None), or (None, why) for a file that is not whole:
+    it does not parse, is not an object, or fails its digest. A missing file raises
+    OSError; a file without a seal (written before seals existed) is taken as is."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None, "does not parse as JSON"
+    if not isinstance(obj, dict):
+        return None, "is not a JSON object"
+    want = obj.pop(SEAL, None)
+    if want is not None and want != _digest(obj):
+        return None, f"fails its checksum ({SEAL})"
+    return obj, None
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class SnapshotStore:
+    def __init__(self, job_id: str, node: int, rank: int, base_dir: str, slots: int = 2):
+        if slots < 2:
+            raise ValueError("a snapshot store needs >= 2 slots (one committed, one written)")
+        self.slots = tuple(range(slots))
+        self.job = f"{job_id}-node{node}"
+        self.base_dir, self.rank = base_dir, rank
+        self.dir = job_dir(self.job, base_dir)
+        self._segs: dict[int, ShmSegment] = {}
+        self._reported: set = set()  # (path, why) already said: one line per bad file
+
+    def _name(self, slot: int, ext: str) -> str:
+        return f"rank{self.rank}.slot{slot}.{ext}"
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def _read(self, path: str, what: str) -> dict | None:
+        """A sealed file's content, or None when it is missing or not whole (reported
+        once per file and reason)."""
+        try:
+            obj, why = read_sealed(path)
+        except OSError:
+            return None
+        if why is not None and (path, why) not in self._reported:
+            self._reported.add((path, why))
+            from reft_ext.save.snapshotter import reft_print  # (snapshot imports this module)
+
+            reft_print(f"rank {self.rank}: {path} {why}: {what}")
+        return obj
+
+    # ---- writing --------------------------------------------------------------
+    def committed(self) -> dict | None:
+        return self._read(self._path(f"rank{self.rank}.committed"),
+                          "commit pointer ignored on this rank (the newest commit of the "
+                          "other ranks decides)")
+
+    def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """Open a slot for writing, never the committed one: an empty (or torn) slot
+        first, else the oldest snapshot's. Its manifest goes first, so the slot reads as
+        empty until :meth:`finish`."""
+        c = self.committed()
+        current = c.get("slot") if c and c.get("slot") in self.slots else None
+        if current is None and c is None:
+            # no readable pointer (a fresh store, or a corrupt one): keep the newest
+            # complete snapshot, which may be the committed one, and write another slot
+            done = self.manifests()
+            if done:
+                current = max(done, key=lambda s: int(done[s].get("iteration", -1)))
+        # ring order after the committed slot: filling the empty slots in this order
+        # keeps it, so when none is empty the next in ring order is the oldest (no
+        # manifest has to be read on this per-iteration path, only stat'ed)
+        start = 0 if current is None else current + 1
+        order = [(start + i) % len(self.slots) for i in range(len(self.slots))]
+        order = [s for s in order if s != current]
+        empty = [s for s in order if not os.path.exists(self._path(self._name(s, "json")))]
+        slot = empty[0] if empty else order[0]
+        try:
+            os.unlink(self._path(self._name(slot, "json")))
+        except FileNotFoundError:
+            pass
+        seg = self._segment(slot, nbytes)
+        return slot, seg.tensor(torch.uint8, 0, nbytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Create (or attach and grow) every slot now: space is checked and reserved."""
+        for slot in self.slots:
+            self._segment(slot, nbytes)
+
+    def _segment(self, slot: int, nbytes: int) -> ShmSegment:
+        seg = self._segs.get(slot)
+        name = self._name(slot, "bin")
+        if seg is None:
+            if ShmSegment.exists(self.job, name, base_dir=self.base_dir):
+                seg = ShmSegment.attach(self.job, name, base_dir=self.base_dir)
+            else:
+                seg = ShmSegment.create(self.job, name, max(nbytes, 1), base_dir=self.base_dir)
+            self._segs[slot] = seg
+        if seg.nbytes < nbytes:
+            seg.resize(nbytes)
+        return seg
+
+    def buffer(self, name: str, nbytes: int) -> torch.Tensor:
+        """A named extra segment of this rank in the failure domain (e.g. the live AOR
+        replica), created or attached and grown to ``nbytes``."""
+        seg = self._segs.get(name)
+        fname = f"rank{self.rank}.{name}.bin"
+        if seg is None:
+            if ShmSegment.exists(self.job, fname, base_dir=self.base_dir):
+                seg = ShmSegment.attach(self.job, fname, base_dir=self.base_dir)
+            else:
+                seg = ShmSegment.create(self.job, fname, max(nbytes, 1), base_dir=self.base_dir)
+            self._segs[name] = seg
+        if seg.nbytes < nbytes:
+            seg.resize(nbytes)
+        return seg.tensor(torch.uint8, 0, nbytes)
+
+    def finish(self, slot: int, manifest: dict) -> None:
+        """The slot is complete on this rank (not yet job-wide)."""
+        _write_atomic(self._path(self._name(slot, "json")), sealed(manifest))
+
+    def commit(self, slot: int, iteration: int) -> None:
+        """Every rank finished this iteration's snapshot: it is the one to keep."""
+        _write_atomic(self._path(f"rank{self.rank}.committed"),
+                      sealed({"slot": slot, "iteration": iteration}))
+
+    def discard_newer(self, iteration: int) -> None:
+        """A rollback to ``iteration``: snapshots after it are dropped (their manifests go,
+        so they read as torn and are the first slots written again) and the commit
+        pointer goes back to ``iteration``'s slot."""
+        keep_slot = None
+        for slot, m in self.manifests().items():
+            if int(m["iteration"]) > iteration:
+                os.unlink(self._path(self._name(slot, "json")))
+            elif int(m["iteration"]) == iteration:
+                keep_slot = slot
+        if keep_slot is not None:
+            self.commit(keep_slot, iteration)
+
+    # ---- reading --------------------------------------------------------------
+    def manifests(self) -> dict[int, dict]:
+        """slot -> manifest, for every slot whose manifest exists and is whole (a
+        manifest that fails its checksum leaves its slot torn on this rank)."""
+        out = {}
+        for slot in self.slots:
+            m = self._read(self._path(self._name(slot, "json")),
+                           f"slot {slot} treated as torn on this rank (peers' redundancy "
+                           f"or the persistent checkpoint replaces it)")
+            if m is None:
+                continue
+            if ShmSegment.exists(self.job, self._name(slot, "bin"), base_dir=self.base_dir):
+                out[slot] = m
+        return out
+
+    def data(self, slot: int, nbytes: int) -> torch.Tensor:
+        return self._segment(slot, nbytes).tensor(torch.uint8, 0, nbytes)
+
+    def verify(self, slot: int, manifest: dict, region: str) -> bool:
+        """Does region's checksum still match what its owner computed from the source?"""
+        off, n, crc = manifest["regions"][region]
+        if n == 0:
+            return True
+        try:
+            view = self.data(slot, manifest["nbytes"])[off:off + n]
+            return checksum(view, manifest.get("checksum", "crc32")) == crc
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        for seg in self._segs.values():
+            seg.close()
+        self._segs.clear()
+
+    def remove(self) -> None:
+        self.close()
+        ShmSegment.remove_job(self.job, base_dir=self.base_dir)

@@ -1,0 +1,44 @@
+"""Test harness: a job of N torchrun agents ("nodes") on this host, built on
+tools/launch_nodes.py, and the node-level faults the tests script against it.
+
+A precise, deterministic node loss: ``--inject-fault R:ITER:STOP`` freezes rank R right
+before the optimizer step of ITER (so the snapshot of ITER-1 is committed everywhere and
+nothing of ITER is); its agent sees nothing (a stopped process is alive), the other ranks
+wait in their next collective; the test sees the ``[FAULT]`` line and kills the whole node
+(agent, workers, memory). The survivors' workers then fail, their agents re-rendezvous,
+and the replacement agent completes the round.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from tests.harness.run import RunResult, parse
+
+from tools.launch_nodes import LaunchConfig, NodeLauncher
+
+
+def launcher(nnodes: int, nproc: int, args: list[str], tmp_path, **cfg) -> NodeLauncher:
+    cfg.setdefault("max_restarts", 2)
+    return NodeLauncher(LaunchConfig(nnodes=nnodes, nproc_per_node=nproc,
+                                     log_dir=tempfile.mkdtemp(dir=tmp_path, prefix="logs-"),
+                                     **cfg), args)
+
+
+def stop_then_lose(L: NodeLauncher, rank: int, nodes: list[int], timeout: float = 90) -> None:
+    """Wait until ``rank`` froze itself (its [FAULT] line), then lose ``nodes`` at once
+    and start their replacements (empty memory)."""
+    L.wait_for(rf"\[FAULT\] injecting SIGSTOP into rank {rank} ", timeout=timeout)
+    for n in nodes:
+        L.kill_node(n)
+    for n in nodes:
+        L.replace_node(n)
+
+
+def finish(L: NodeLauncher, timeout: float = 150) -> RunResult:
+    """Wait for the job; parse every node's output ([HASH] of each rank, [LOSSES] of the
+    last rank's final attempt) as one run. Return code: the worst agent's."""
+    codes = L.wait(timeout)
+    out = L.outputs()
+    return parse(out, max(abs(c) for c in codes.values()))
+

@@ -1,0 +1,79 @@
+"""Loss-spike rollback from host memory, end to end: real torchrun, a spike or a NaN
+injected into one rank's gradients, every rank rolls back in process and skips batches.
+
+Each run must end bit-identical (state hash per rank, every loss) to a run without the
+fault that skipped the same global batches from the start (--skip-train-batches), and
+the skipped samples are the ones logged."""
+
+import re
+
+import pytest
+
+from tests.harness.run import LAYOUTS, TINY, torchrun
+
+ITERS = ["--train-iters", "14"]
+
+
+def reft(protect):
+    return ["--reft-snapshot-every", "1", "--reft-protect", protect,
+            "--reft-ranks-per-node", "1"]
+
+
+def _same(run, ref):
+    assert run.hashes and run.hashes == ref.hashes
+    assert sorted(run.losses) == list(range(1, 15))
+    assert run.losses == ref.losses
+
+
+def test_spike_then_nan_with_zero1_roll_back_and_skip(tmp_path):
+    """PP2xDP2, ZeRO-1, arc,aor: rank 1's gradients scaled by 1e4 at iteration 10 (a grad
+    norm spike) -> back to 8, skip 2 batches; then NaN in rank 2's gradients at 12 ->
+    back to 10, skip 2. A checkpoint saved at 9 is from inside the first spike: it is
+    replaced by the rolled-back state before anything else happens."""
+    layout = LAYOUTS["pp2dp2-zero1"]
+    save = str(tmp_path / "ckpt")
+    ref = torchrun(4, TINY + ITERS + layout + ["--skip-train-batches", "9:2,11:2"]).check()
+    assert "skipping 2 global batch(es) before iteration 9: samples 64-79" in ref.output
+    assert "skipping 2 global batch(es) before iteration 11: samples 96-111" in ref.output
+    run = torchrun(4, TINY + ITERS + layout + reft("arc,aor") + [
+        "--reft-rollback-on", "spike", "--reft-skip-batches", "2",
+        "--save", save, "--save-interval", "9",
+        "--inject-spike", "1:10:scale,2:12:nan"]).check()
+    out = run.output
+    assert "[FAULT] spike: rank 1's gradients scaled by 10000 before the optimizer step of " \
+           "iteration 10" in out
+    assert "[FAULT] spike: rank 2's gradients made NaN before the optimizer step of " \
+           "iteration 12" in out
+    assert re.search(r"\[REFT\] rollback: grad norm spike: .* at iteration 10 -> iteration "
+                     r"8 restored from host memory in [\d.]+ ms; skipped 2 global batch\(es\): "
+                     r"samples 64-79; rollback 1 of at most 3 within 20 iterations", out), \
+        out[-5000:]
+    assert re.search(r"\[REFT\] rollback: non-finite grad norm \(nan\) at iteration 12 -> "
+                     r"iteration 10 restored from host memory in [\d.]+ ms; skipped 2 global "
+                     r"batch\(es\): samples 96-111; rollback 2 of at most 3", out), out[-5000:]
+    assert out.count("[REFT] rollback:") == 2
+    assert "removed persistent checkpoint(s) iter_0000009 of" in out
+    assert out.index("removed persistent checkpoint(s) iter_0000009") > \
+        out.index("saved checkpoint at iteration       8")
+    assert "loss-spike rollbacks: 2" in out
+    _same(run, ref)
+
+
+@pytest.mark.parametrize("schedule", [
+    "has",
+    pytest.param("end-of-iteration", marks=pytest.mark.slow),
+    pytest.param("host-thread", marks=pytest.mark.slow)])
+def test_nan_on_one_rank_tp2pp2_rolls_back(schedule, reference_runs):
+    """TP2xPP2 (no data parallelism: --reft-protect none, each rank's own snapshot): NaN
+    in rank 3's gradients only; all four ranks agree, roll back and skip one batch. Every
+    snapshot schedule has committed the same ring by the time the NaN is seen."""
+    args = TINY + ITERS + LAYOUTS["tp2pp2"]
+    ref = reference_runs("tp2pp2-skip9", 4, args + ["--skip-train-batches", "9:1"])
+    run = torchrun(4, args + reft("none") + ["--reft-schedule", schedule,
+                                             "--inject-spike", "3:10:nan"]).check()
+    assert "[FAULT] spike: rank 3's gradients made NaN before the optimizer step of " \
+           "iteration 10" in run.output
+    assert re.search(r"\[REFT\] rollback: non-finite grad norm \(nan\) at iteration 10 -> "
+                     r"iteration 8 restored from host memory in [\d.]+ ms; skipped 1 global "
+                     r"batch\(es\): samples 64-71", run.output), run.output[-5000:]
+    _same(run, ref)

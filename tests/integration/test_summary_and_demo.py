@@ -1,0 +1,101 @@
+"""The end-of-run REFT summary, the job-wide recovery tier, `make demo`'s digest and the
+deferred megatron-core jit_fuser, without torchrun (the end-to-end runs that print them
+are in test_reft_recovery.py and test_aor_recovery.py)."""
+
+import subprocess
+import sys
+
+from reft_ext.report import summary
+from reft_ext.load.recover import recovery_tier
+
+from tests.harness.run import REPO
+from tools import demo
+
+
+def test_counters_survive_in_the_state_and_the_summary_names_them():
+    extra = {}
+    for _ in range(5):
+        summary.count_snapshot(extra)
+    summary.count_recovery(extra, "own memory")
+    summary.count_recovery(extra, "ARC replica + AOR replica")
+    summary.count_recovery(extra, "own memory")
+    line = summary.format_summary(
+        extra=extra, every=1, regions={"own": 2**20, "arc": 2**20, "owned": 0, "aor": 2**19},
+        blocked_s=[0.001, 0.002, 0.010], iteration_s=[0.2, 0.1, 0.3], protection="arc,aor",
+        host_bytes_per_node=3 * 2**20, nodes=4)
+    assert line.startswith("summary: 5 snapshots (every 1 iteration, --reft-protect arc,aor)")
+    assert "2.50 MiB per rank (own 1.00, arc 1.00, aor 0.50 MiB)" in line
+    assert "training blocked 2.00 ms per snapshot (median), 1.00% of the median iteration " \
+           "(200.0 ms)" in line
+    assert "recoveries: 2 from own memory, 1 from ARC replica + AOR replica" in line
+    assert line.endswith("host memory 3.00 MiB per node (4 nodes)")
+    assert "recoveries: none" in summary.format_summary(
+        extra={}, every=2, regions={"own": 1}, blocked_s=[], iteration_s=[], nodes=1,
+        protection="arc", host_bytes_per_node=2)
+
+
+def _inv(own=True, red=True, owned=True, aor=False, aor_owner=None):
+    return {7: {"slot": 0, "ok": {"own": own, "redundancy": red, "owned": owned, "aor": aor},
+                "aor_owner": aor_owner}}
+
+
+def test_recovery_tier_is_the_same_job_wide_answer():
+    groups = [[0, 2], [1, 3]]
+    invs = [_inv(), _inv(), _inv(), _inv()]
+    plans = {0: {0: "own", 1: "own"}, 1: {0: "own", 1: "own"}}
+    assert recovery_tier(invs, groups, 7, plans, owned_needed=True) == "own memory"
+    # rank 3 lost its node: slice from rank 1's ARC replica, shard from rank 1's AOR replica
+    invs[3] = {}
+    invs[1] = _inv(aor=True, aor_owner=3)
+    plans[1] = {0: "own", 1: "replica"}
+    assert recovery_tier(invs, groups, 7, plans, owned_needed=True) == \
+        "ARC replica + AOR replica"
+    assert recovery_tier(invs, groups, 7, {0: {0: "parity", 1: "own"}}, owned_needed=False) \
+        == "AEC parity"
+
+
+LOG = """\
+[REFT] snapshot iteration 4: 1 bytes
+[FAULT] injecting SIGKILL into rank 1 (pid 5) at iteration 5
+[REFT] recovery: iteration 4 restored on 4 ranks from own memory in 16.7 ms
+[REFT] snapshot iteration 4: 1 bytes
+[REFT] snapshot iteration 5: 1 bytes
+ [t] iteration       12/      12 | consumed samples: 1 | lm loss: 4.402466E+00 | grad norm: 2
+[HASH] rank 0 iteration 12 state ab
+[HASH] rank 1 iteration 12 state cd
+"""
+
+
+def test_demo_digest_and_comparison(tmp_path):
+    lines = [(float(i), line) for i, line in enumerate(LOG.splitlines())]
+    text = "\n".join(demo.digest(lines))
+    assert "- crash: SIGKILL to rank 1 in iteration 5" in text
+    assert "REFT-load: iteration 4 from own memory in 17 ms (lost work: 0" in text
+    assert "training again 3.0 s after the fault (next iteration committed: 5)" in text
+    ref = tmp_path / "train.log"
+    ref.write_text(LOG)
+    assert "bit-identical" in "\n".join(demo.compare(lines, str(ref)))
+    ref.write_text(LOG.replace("state cd", "state ce"))
+    assert "DIFFERENT to the failure-free" in "\n".join(demo.compare(lines, str(ref)))
+    assert "run `make run` first" in "\n".join(demo.compare(lines, str(tmp_path / "none")))
+
+
+def test_megatron_jit_fuser_is_compiled_on_first_call_only():
+    """Importing the trainer no longer imports torch._dynamo (megatron-core's fusions are
+    decorated with torch.compile at import); a deferred kernel still compiles and runs."""
+    code = (
+        "import sys, torch\n"
+        "import megatron.training.training\n"
+        "from megatron.core import jit\n"
+        "from megatron.training.lazy_jit import lazy_compile\n"
+        "assert jit.jit_fuser is lazy_compile, jit.jit_fuser\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "f = jit.jit_fuser(lambda x: x * 2 + 1, backend='eager')\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "x = torch.arange(4.0)\n"
+        "assert torch.equal(f(x), x * 2 + 1)\n"
+        "assert 'torch._dynamo' in sys.modules\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -1,0 +1,143 @@
+"""Bad input fails early with one line naming the flag; a missing or corrupt --load
+fails clearly and leaves every existing checkpoint file untouched."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness.run import REPO, TINY
+from megatron.training.arguments import ArgumentError, parse_args
+
+BAD = [
+    # (argv, world size, flag named in the error)
+    (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--pipeline-model-parallel-size"),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+     "--pipeline-model-parallel-size"),
+    (["--num-attention-heads", "4", "--num-query-groups", "3", "--hidden-size", "96"], 1,
+     "--num-query-groups"),
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--num-query-groups", "6",
+      "--tensor-model-parallel-size", "4"], 4, "--tensor-model-parallel-size"),
+    (["--hidden-size", "100", "--num-attention-heads", "8"], 1, "--num-attention-heads"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
+     "--num-layers-per-virtual-pipeline-stage"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     2, "--num-layers-per-virtual-pipeline-stage"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "6", "--micro-batch-size", "2"], 2, "--global-batch-size"),
+    (["--sequence-parallel"], 1, "--sequence-parallel"),
+    (["--save-interval", "10"], 1, "--save-interval"),
+    (["--async-save"], 1, "--async-save"),
+    (["--min-lr", "1.0", "--lr", "0.1"], 1, "--min-lr"),
+    (["--tokenizer-type", "NullTokenizer"], 1, "--vocab-size"),
+    (["--mock-data", "--data-path", "x"], 1, "--mock-data"),
+    (["--inject-fault", "7:3"], 4, "--inject-fault"),
+    (["--inject-fault", "1:x"], 4, "--inject-fault"),
+    (["--inject-fault", "1:3:SIGNOPE"], 4, "--inject-fault"),
+    (["--inject-fault", "1:3:KILL:sometimes"], 4, "--inject-fault"),  # unknown mode
+    (["--inject-fault", "1:3:KILL:node:x"], 4, "--inject-fault"),  # bad attempt
+    (["--inject-fault", "1:0"], 4, "--inject-fault"),  # iteration 0 never runs
+    (["--inject-spike", "1:3:huge"], 4, "--inject-spike"),
+    (["--inject-spike", "9:3"], 4, "--inject-spike"),
+    (["--inject-spike", "1:0:nan"], 4, "--inject-spike"),
+    (["--skip-train-batches", "0:2"], 1, "--skip-train-batches"),
+    (["--skip-train-batches", "3"], 1, "--skip-train-batches"),
+    (["--reft-rollback-on", "always"], 1, "--reft-rollback-on"),
+    (["--reft-rollback-on", "spike"], 1, "--reft-rollback-on"),  # needs snapshots
+    (["--reft-snapshot-every", "1", "--reft-keep", "1"], 1, "--reft-keep"),
+    (["--reft-spike-window", "1"], 1, "--reft-spike-window"),
+    (["--micro-batch-size", "0"], 1, "--micro-batch-size"),
+    (["--train-iters", "5", "--lr-warmup-iters", "5"], 1, "--lr-warmup-iters"),
+]
+
+
+@pytest.mark.parametrize("argv,world,flag", BAD)
+def test_invalid_layout_names_the_flag(argv, world, flag):
+    with pytest.raises(ArgumentError) as err:
+        parse_args(argv, world_size=world)
+    msg = str(err.value)
+    assert msg.startswith(flag), msg
+    assert "\n" not in msg
+
+
+def test_valid_layouts_accepted():
+    a = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                    "2", "--global-batch-size", "8"], world_size=8)
+    assert (a.data_parallel_size, a.num_microbatches) == (2, 2)
+    b = parse_args(["--model-size", "llama2-6.7b"], world_size=1)
+    assert (b.num_layers, b.hidden_size, b.ffn_hidden_size, b.seq_length) == \
+        (32, 4096, 11008, 4096)
+    c = parse_args(["--model-size", "llama2-34b"], world_size=1)
+    assert (c.num_query_groups, c.ffn_hidden_size) == (8, 22016)
+
+
+def _main(args, **kw):
+    return subprocess.run([sys.executable, os.path.join(REPO, "pretrain_llama.py"), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=180, **kw)
+
+
+def test_cli_prints_one_line_and_exits_2():
+    out = _main(["--tensor-model-parallel-size", "2"])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: --tensor-model-parallel-size/--pipeline-model-parallel-size: world size 1 "
+        "is not divisible by TP x PP = 2 x 1"]
+
+
+def _digest(root):
+    h = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            h[p] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return h
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt") / "save")
+    out = _main(TINY + ["--train-iters", "3", "--save", root])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "3"
+    return root
+
+
+def test_load_missing_directory(tmp_path):
+    out = _main(TINY + ["--train-iters", "3", "--load", str(tmp_path / "nope")])
+    assert out.returncode == 3
+    assert f"error: --load {tmp_path / 'nope'}: no such directory" in out.stderr
+
+
+def test_load_tracker_names_missing_iteration(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    out = _main(TINY + ["--train-iters", "3", "--load", str(tmp_path)])
+    assert out.returncode == 3
+    assert "names iteration 7" in out.stderr and "iter_0000007" in out.stderr
+
+
+def test_load_corrupt_checkpoint_fails_clearly_and_touches_nothing(small_checkpoint, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "copy")
+    shutil.copytree(small_checkpoint, root)
+    shard = sorted(p for p in os.listdir(os.path.join(root, "iter_0000003"))
+                   if p.endswith(".distcp"))[0]
+    path = os.path.join(root, "iter_0000003", shard)
+    with open(path, "r+b") as f:  # torn write: the file loses its second half
+        f.truncate(os.path.getsize(path) // 2)
+    before = _digest(root)
+    out = _main(TINY + ["--train-iters", "4", "--load", root, "--save", root])
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert f"error: --load {root}: cannot read checkpoint" in out.stderr
+    assert _digest(root) == before  # nothing written, nothing deleted
+
+
+def test_load_with_other_layout_names_the_flag(small_checkpoint):
+    out = _main(TINY[:1] + ["2"] + TINY[2:] + ["--train-iters", "4",
+                                              "--load", small_checkpoint])
+    assert out.returncode == 3
+    assert "saved with --num-layers 4, this run has 2" in out.stderr

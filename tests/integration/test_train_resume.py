@@ -1,0 +1,61 @@
+"""Exact resume from persistent checkpoints: N iterations in one go == N/2, save, stop,
+restart with --load, N/2 more. Also through a SIGKILL of one rank under torchrun
+--max-restarts 1, resuming from the last checkpoint."""
+
+import os
+
+import pytest
+
+from tests.harness.run import LAYOUTS, TINY, torchrun
+
+N = 6
+ITERS = ["--train-iters", str(N)]
+
+
+def _half_and_half(layout, tmp_path, extra_first=()):
+    save = str(tmp_path / "ckpt")
+    args = TINY + ITERS + LAYOUTS[layout] + ["--save", save]
+    first = torchrun(4, args + ["--exit-interval", str(N // 2), *extra_first]).check()
+    assert first.iteration == N // 2
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "3"
+    second = torchrun(4, args + ["--load", save]).check()
+    assert f"loaded checkpoint {save}/iter_0000003" in second.output
+    return first, second
+
+
+@pytest.mark.parametrize("layout,extra", [
+    ("pp2dp2-zero1", ()), pytest.param("tp2pp2", ("--async-save",), marks=pytest.mark.slow)])
+def test_resume_bit_exact(layout, extra, tmp_path, reference_runs):
+    ref = reference_runs(layout, 4, TINY + ITERS + LAYOUTS[layout])
+    _, second = _half_and_half(layout, tmp_path, extra)
+    assert second.iteration == N
+    assert second.hashes == ref.hashes
+    assert sorted(second.losses) == [4, 5, 6]
+    assert all(second.losses[i] == ref.losses[i] for i in (4, 5, 6))
+
+
+def test_sigkill_one_rank_then_torchrun_restart(tmp_path, reference_runs):
+    layout = "pp2dp2-zero1"
+    ref = reference_runs(layout, 4, TINY + ITERS + LAYOUTS[layout])
+    save = str(tmp_path / "ckpt")
+    args = TINY + ITERS + LAYOUTS[layout] + [
+        "--save", save, "--load", save, "--save-interval", "2", "--inject-fault", "1:5"]
+    run = torchrun(4, args, max_restarts=1).check()
+    # the fault really fired, the job really restarted and reloaded iteration 4
+    assert "[FAULT] injecting SIGKILL into rank 1" in run.output
+    assert run.output.count("[FAULT]") == 1
+    assert f"loaded checkpoint {save}/iter_0000004" in run.output
+    assert run.hashes == ref.hashes
+    assert sorted(run.losses) == [5, 6]
+    assert all(run.losses[i] == ref.losses[i] for i in (5, 6))
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    save = str(tmp_path / "ckpt")
+    args = TINY + ITERS + LAYOUTS["dp4"] + [
+        "--save", save, "--exit-signal-handler", "--inject-fault", "2:3:SIGTERM"]
+    run = torchrun(4, args).check()
+    assert "[FAULT] injecting SIGTERM into rank 2" in run.output
+    assert "exit signal received: stopping at iteration 3" in run.output
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "3"
+    assert run.iteration == 3
