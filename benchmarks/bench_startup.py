@@ -6,7 +6,7 @@ torch._inductor), interleaved in one run.
     python benchmarks/bench_startup.py [--repeats 7]
 
 Each sample is a fresh `python -c` that imports what pretrain_llama.py imports before
-the first iteration (megatron.training.training, reft_hooks, checkpointing, data); the
+the first iteration (megatron.training.training, reft_integration, checkpointing, data); the
 eager variant imports megatron.core first, before megatron.training can install the
 deferral. CPU seconds (user + sys of the child) are the figure that matters on a loaded
 machine (4 ranks importing on 2 cores), wall seconds are printed beside them.
@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from reft_ext.report.progress import Progress  # noqa: E402
 
-IMPORTS = ("import megatron.training.training, megatron.training.reft_hooks, "
+IMPORTS = ("import megatron.training.training, megatron.training.reft_integration, "
            "megatron.training.checkpointing, megatron.training.data")
 CODE = {
     "deferred (default)": IMPORTS,

@@ -39,10 +39,12 @@ from megatron.core import parallel_state as mpu  # noqa: E402
 
 from megatron.training import optimizer_state, pipeline_events  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.reft_hooks import MegatronStateAdapter  # noqa: E402
+from megatron.training.hooks import TrainerHook  # noqa: E402
+from megatron.training.reft_integration import MegatronStateAdapter  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 from reft_ext.config import ReftConfig  # noqa: E402
 from reft_ext.save.snapshotter import ReftSnapshotter  # noqa: E402
+from reft_ext.save.schedules import make_schedule  # noqa: E402
 from reft_ext.report.timeline import PipelineEvents, StepProfile  # noqa: E402
 
 # bench_overhead.py names the job (and removes /dev/shm/*<job>* afterwards, even when a
@@ -52,8 +54,8 @@ JOB = os.environ.get("BENCH_JOB") or f"bench{os.environ.get('TORCHELASTIC_RUN_ID
 
 class Reft:
     def __init__(self, trainer, adapter, schedule, protect, shared=None, concurrent=None):
-        # one snapshotter per protection, shared by the schedules (it is built with the
-        # HAS thread, which activate() hands the copies to or not)
+        # one snapshotter per protection, shared by the schedules (activate() gives it
+        # this method's schedule)
         self.snap = shared or ReftSnapshotter(
             ReftConfig(snapshot_every=1, protect=protect, ranks_per_node=1, schedule="has",
                        job_id=f"{JOB}-{protect}"), adapter, trainer.events)
@@ -62,29 +64,20 @@ class Reft:
 
     def activate(self):
         s = self.snap
-        s.cfg.schedule = self.schedule
-        s.concurrent_tier2 = self.auto if not self.concurrent else True
         # the bubble profile must describe this schedule's steps, not the last method's
         # (a blocking copy on one stage shows up as long waits on the other)
         s.events.profile = StepProfile()
-        if s.worker is not None:  # the HAS thread listens to bubbles only under has
-            if self.schedule == "has" and s.worker not in s.events.listeners:
-                s.events.listeners.append(s.worker)
-            if self.schedule != "has" and s.worker in s.events.listeners:
-                s.events.listeners.remove(s.worker)
+        # this method's schedule (its own snapshot thread; HAS listens to the bubbles)
+        s.schedule.close()
+        s.schedule = make_schedule(self.schedule, s.events, s.bandwidth, s.pipeline,
+                                   self.auto if not self.concurrent else True)
         if s.aor is not None:  # AOR ships steps only while its method runs
             s.aor.initialize()
-        saved = s.worker
-        if self.schedule == "end-of-iteration":
-            s.worker = None
-        self._worker = saved
 
     def deactivate(self):
         self.snap.flush()
         if self.snap.aor is not None:
             self.snap.aor.pause()
-        if self._worker is not None:
-            self.snap.worker = self._worker
 
     def before_step(self):
         t0 = time.perf_counter()
@@ -176,7 +169,7 @@ class None_:
         return 0.0
 
 
-class Rotation:
+class Rotation(TrainerHook):
     """The hook: picks the method of the block, times iterations and blocking."""
 
     PLAIN = "none"  # the method that runs as a plain run: no instrumentation

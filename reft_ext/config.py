@@ -1,15 +1,18 @@
 """ReftConfig: one dataclass for REFT's snapshot/protection settings; flags are generated
-from its fields with Megatron's naming (``--reft-snapshot-every`` ...)."""
+from its fields with Megatron's naming (``--reft-snapshot-every`` ...; reft_ext/flags.py),
+and the layout checks (parallel sizes, failure domains) live here, for the trainer's
+argument parsing, the snapshotter and the planner alike."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
+
+from reft_ext.flags import ReftFlags
 
 PROTECTIONS = ("none", "arc", "aec", "aor")
-SCHEDULES = ("has", "end-of-iteration", "host-thread")
+SCHEDULES = ("has", "end-of-iteration", "host-thread")  # reft_ext/save/schedules.py (torch)
 
 
 class ReftConfigError(ValueError):
@@ -28,24 +31,10 @@ def parse_bytes(text) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def add_reft_flags(cls, parser: argparse.ArgumentParser, title: str) -> None:
-    """One ``--reft-<field>`` flag per field of the dataclass ``cls`` (REFT's config
-    dataclasses: ReftConfig, HealthConfig, RollbackConfig), its help from the field's
-    metadata, its default the field's; read back with ``getattr(args, "reft_" + name)``."""
-    g = parser.add_argument_group(title)
-    for f in fields(cls):
-        flag = "--reft-" + f.name.replace("_", "-")
-        help_ = f.metadata.get("help")
-        if f.type in (bool, "bool"):
-            g.add_argument(flag, action="store_true", help=help_)
-            continue
-        typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", f.type), str)
-        g.add_argument(flag, type=typ, default=None if f.default is MISSING else f.default,
-                       help=help_)
-
-
 @dataclass
-class ReftConfig:
+class ReftConfig(ReftFlags):
+    FLAG_TITLE = "REFT in-memory fault tolerance"
+
     snapshot_every: int = field(default=0, metadata=dict(
         help="take an in-memory snapshot every N iterations (0 = off)"))
     protect: str = field(default="none", metadata=dict(
@@ -163,19 +152,37 @@ class ReftConfig:
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
-    def validate_layout(self, world_size: int, dp_groups: list[list[int]]) -> None:
-        """arc/aec need every sharding group spread over >= 2 failure domains, one
-        member per domain, or a node loss takes a slice and its redundancy together."""
+    def validate_parallel(self, world_size: int, dp_size: int,
+                          distributed_optimizer: bool | None = None) -> None:
+        """The layout checks that need only sizes: at argument parsing (the trainer's
+        validate_args) and again, per sharding group, in :meth:`validate_layout`.
+        ``distributed_optimizer`` None: not known here (not checked)."""
+        if not self.enabled:
+            return
+        if self.redundancy != "none" and dp_size < 2:
+            raise ReftConfigError(f"--reft-protect: {self.redundancy} needs data-parallel "
+                                  f"size >= 2 (the layout has {dp_size}); use --reft-protect "
+                                  f"none")
+        if self.aor and distributed_optimizer is False:
+            raise ReftConfigError(
+                "--reft-protect: aor protects ZeRO-1 optimizer shards: it needs "
+                "--use-distributed-optimizer (without it the optimizer state is replicated "
+                "and arc/aec already cover it)")
+        if self.aor and dp_size < 2:
+            raise ReftConfigError(f"--reft-protect: aor needs data-parallel size >= 2 (the "
+                                  f"layout has {dp_size})")
         if world_size % self.ranks_per_node:
             raise ReftConfigError(f"--reft-ranks-per-node: world size {world_size} is not a "
                                   f"multiple of {self.ranks_per_node}")
+
+    def validate_layout(self, world_size: int, dp_groups: list[list[int]]) -> None:
+        """:meth:`validate_parallel`, and arc/aec/aor need every sharding group spread
+        over failure domains, one member per domain, or a node loss takes a slice and
+        its redundancy together."""
+        self.validate_parallel(world_size, min((len(g) for g in dp_groups), default=0))
         if (self.redundancy == "none" and not self.aor) or not self.enabled:
             return
         for group in dp_groups:
-            if len(group) < 2:
-                raise ReftConfigError(
-                    f"--reft-protect {self.protect}: needs data-parallel size >= 2 (the "
-                    f"sharding group {group} has one member); use --reft-protect none")
             nodes = [self.node_of(r) for r in group]
             if len(set(nodes)) != len(nodes):
                 raise ReftConfigError(
@@ -184,14 +191,10 @@ class ReftConfig:
                     f"{self.ranks_per_node}); a node loss would take both. Lower "
                     f"--reft-ranks-per-node or change the layout")
 
-    # ---- flags ----------------------------------------------------------------
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        add_reft_flags(cls, parser, "REFT in-memory fault tolerance")
-
+    # ---- flags (add_arguments: reft_ext/flags.py) ---------------------------------
     @classmethod
     def from_args(cls, args) -> ReftConfig:
-        cfg = cls(**{f.name: getattr(args, "reft_" + f.name) for f in fields(cls)})
+        cfg = super().from_args(args)
         save = getattr(args, "save", None)
         if not cfg.flush_dir and save:  # save-on-failure goes next to the checkpoints
             cfg.flush_dir = os.path.join(save, "reft-flush")

@@ -38,6 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # reft_ext (status files) when run as a script
 
 from reft_ext.cluster import status as node_status  # noqa: E402
+from reft_ext.store import paths  # noqa: E402
 
 
 class LaunchError(ValueError):
@@ -129,7 +130,7 @@ def reserve_worker_ports() -> None:
 
 
 # the agent: torchrun, with the workers' port reserved (its command line still names
-# torch.distributed.run: reft_health and the benchmarks look for that)
+# torch.distributed.run: reft_integration and the benchmarks look for that)
 AGENT_MAIN = ("import sys; sys.path.insert(0, {repo!r}); import tools.launch_nodes as nodes; "
               "nodes.reserve_worker_ports(); import torch.distributed.run as run; run.main()")
 
@@ -196,7 +197,7 @@ class NodeLauncher:
         return self.cfg.job_id
 
     def shm_dir_of(self, node: int) -> str:
-        return os.path.join(self.cfg.shm_dir, f"reft-{self.cfg.job_id}-node{node}")
+        return paths.node_dir(self.cfg.shm_dir, self.cfg.job_id, node)
 
     def _command(self, node: int) -> list[str]:
         c = self.cfg
@@ -344,7 +345,7 @@ class NodeLauncher:
         return "".join(self.output(n) for n in range(self.cfg.nnodes))
 
     def cleanup_shm(self) -> None:
-        for d in glob.glob(os.path.join(self.cfg.shm_dir, f"reft-{self.cfg.job_id}-node*")):
+        for d in glob.glob(paths.node_glob(self.cfg.shm_dir, self.cfg.job_id)):
             shutil.rmtree(d, ignore_errors=True) if os.path.isdir(d) else os.unlink(d)
 
 

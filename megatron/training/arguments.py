@@ -7,20 +7,15 @@ line that names the flag and says what to do, before any process group or model 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
-from reft_ext.plan.presets import MODEL_PRESETS  # shared with the planner
-
-
-class ArgumentError(ValueError):
-    """An invalid flag value or combination; the message names the flag."""
-
-
-def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
-    """Llama's SwiGLU width: 2/3 of 4h, rounded up to a multiple of 256 (11008 for 4096)."""
-    ffn = int(2 * 4 * hidden_size / 3)
-    return multiple_of * math.ceil(ffn / multiple_of)
+from megatron.training.errors import ArgumentError  # (raised here; importers name it here)
+from megatron.training.fault_injection import parse_fault_specs, parse_spike_specs
+from reft_ext.plan.presets import (  # shared with the planner
+    MODEL_PRESETS,
+    check_model_split,
+    fill_model_shape,
+)
 
 
 def _add_model_args(p):
@@ -164,24 +159,7 @@ def _fail(flag: str, msg: str):
 
 
 def _apply_preset(args):
-    preset = dict(MODEL_PRESETS[args.model_size or "tiny"])
-    # values derived from the preset's width only hold for that width
-    if args.hidden_size is not None:
-        preset.pop("ffn_hidden_size", None)
-    if args.num_attention_heads is not None:
-        preset.pop("num_query_groups", None)
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
-        if getattr(args, flag) is None:
-            _fail("--" + flag.replace("_", "-"), "required (or give --model-size)")
-    if args.num_query_groups is None:
-        args.num_query_groups = args.num_attention_heads
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = llama_ffn_hidden_size(args.hidden_size)
-    if args.seq_length is None:
-        args.seq_length = 4096 if args.model_size else 128
+    fill_model_shape(args, args.model_size or "tiny", _fail)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
 
@@ -200,23 +178,7 @@ def validate_args(args):
         _fail("--tensor-model-parallel-size/--pipeline-model-parallel-size",
               f"world size {ws} is not divisible by TP x PP = {tp} x {pp}")
     args.data_parallel_size = ws // (tp * pp)
-    if args.num_layers % pp:
-        _fail("--pipeline-model-parallel-size",
-              f"--num-layers {args.num_layers} is not divisible by PP {pp}")
-    if args.hidden_size % args.num_attention_heads:
-        _fail("--num-attention-heads", f"--hidden-size {args.hidden_size} is not divisible "
-              f"by {args.num_attention_heads} heads")
-    if args.num_attention_heads % tp:
-        _fail("--tensor-model-parallel-size",
-              f"{args.num_attention_heads} attention heads are not divisible by TP {tp}")
-    if args.num_attention_heads % args.num_query_groups:
-        _fail("--num-query-groups", f"{args.num_attention_heads} heads are not divisible "
-              f"by {args.num_query_groups} query groups")
-    if args.num_query_groups % tp:
-        _fail("--tensor-model-parallel-size",
-              f"{args.num_query_groups} query groups are not divisible by TP {tp}")
-    if args.ffn_hidden_size % tp:
-        _fail("--ffn-hidden-size", f"{args.ffn_hidden_size} is not divisible by TP {tp}")
+    check_model_split(args, tp, pp, _fail)
     _validate_virtual_pipeline(args)
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     if args.global_batch_size is None:
@@ -250,10 +212,8 @@ def validate_args(args):
     if args.eval_interval < 1 or args.log_interval < 1:
         _fail("--eval-interval/--log-interval", "must be >= 1")
     if args.inject_fault is not None:
-        from megatron.training.fault_injection import parse_fault_specs
         parse_fault_specs(args.inject_fault, ws)
     if args.inject_spike is not None:
-        from megatron.training.fault_injection import parse_spike_specs
         parse_spike_specs(args.inject_spike, ws)
     for part in (args.skip_train_batches or "").split(","):
         bits = part.split(":")
@@ -278,22 +238,14 @@ def _validate_reft(args):
     if health.min_nodes > nodes:
         _fail("--reft-min-nodes", f"{health.min_nodes} is more than the job's {nodes} "
               f"node(s) (--reft-ranks-per-node {cfg.ranks_per_node})")
-    if cfg.enabled and cfg.redundancy != "none" and args.data_parallel_size < 2:
-        _fail("--reft-protect", f"{cfg.redundancy} needs data-parallel size >= 2 (the "
-              f"layout has {args.data_parallel_size}); use --reft-protect none")
-    if cfg.enabled and cfg.aor and not args.use_distributed_optimizer:
-        _fail("--reft-protect", "aor protects ZeRO-1 optimizer shards: it needs "
-              "--use-distributed-optimizer (without it the optimizer state is replicated "
-              "and arc/aec already cover it)")
-    if cfg.enabled and cfg.aor and args.data_parallel_size < 2:
-        _fail("--reft-protect", f"aor needs data-parallel size >= 2 (the layout has "
-              f"{args.data_parallel_size})")
+    try:  # the library's layout checks (the snapshotter repeats them per sharding group)
+        cfg.validate_parallel(args.world_size, args.data_parallel_size,
+                              bool(args.use_distributed_optimizer))
+    except ReftConfigError as exc:
+        raise ArgumentError(str(exc)) from None
     if rollback.rollback_on == "spike" and not cfg.enabled:
         _fail("--reft-rollback-on", "spike rolls back to a snapshot in host memory: it "
               "needs --reft-snapshot-every >= 1")
-    if cfg.enabled and args.world_size % cfg.ranks_per_node:
-        _fail("--reft-ranks-per-node", f"world size {args.world_size} is not a multiple of "
-              f"{cfg.ranks_per_node}")
 
 
 def _validate_virtual_pipeline(args):

@@ -309,6 +309,9 @@ class Checkpointer:
                      f"{f'run {run}' if run else 'a run'} of other settings ("
                      f"{'; '.join(diff) if diff else 'another fingerprint'}): loading it "
                      f"as asked")
+        from reft_ext.report.events import record  # (every rank: one line above)
+
+        record("identity_mismatch", path=path, run=run, differences=diff)
 
     def _check_layout(self, saved: dict, path: str) -> None:
         a = self.args

@@ -115,7 +115,7 @@ def ensure_dataset_helpers() -> None:
     file lock; the wheel carries no Makefile, so megatron's own compile_helpers() cannot do it.
     """
     try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        importlib.import_module("megatron.core.datasets.helpers_cpp")  # (imported: built)
         return
     except ImportError:
         pass

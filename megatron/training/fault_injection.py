@@ -24,6 +24,10 @@ fault really fired. MODE (REFT runs):
 With SIGNAL ``CONT`` (a signal that does not stop the process) a corrupt mode only
 corrupts: the rank trains on, and the damage lies in host memory until a later
 recovery reads it (two corruptions on two ranks, one kill: no race between them).
+
+This module decides when a fault fires; the REFT part of a mode (wiping, corrupting,
+the moment halfway through a snapshot write) is reft_ext/testing/faults.py, reached
+through reft_ext.testing.fault_point (nothing there unless REFT installed its observer).
 """
 
 from __future__ import annotations
@@ -34,11 +38,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+from megatron.training.errors import ArgumentError
+from reft_ext.testing import fault_point
 
 CORRUPT_MODES = ("corrupt", "corrupt-replica", "corrupt-manifest", "corrupt-committed")
 MODES = ("", "node", "snapshot", *CORRUPT_MODES)
-NODE_LOSS_CALLBACKS: list = []  # registered by REFT: wipe the failure domain's memory
-CORRUPT_CALLBACKS: list = []    # registered by REFT: cb(mode) damages the last snapshot
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,6 @@ class FaultSpec:
 
 def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
     """Parse ``RANK:ITER[:SIGNAL]`` (SIGNAL as a name like SIGKILL/KILL/TERM or a number)."""
-    from megatron.training.arguments import ArgumentError
-
     parts = spec.split(":")
     if len(parts) not in (2, 3, 4, 5):
         raise ArgumentError(f"--inject-fault: expected RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]], "
@@ -105,15 +107,21 @@ def maybe_inject_fault(specs, rank: int, iteration: int) -> None:
             fire(spec, f"at iteration {iteration}")
 
 
+def fire_in_snapshot(specs, iteration: int) -> None:
+    """Halfway through writing ``iteration``'s snapshot (reft_ext/testing/faults.py calls
+    this from the snapshot write): this rank's ``snapshot`` faults of that iteration."""
+    for spec in specs or ():
+        if spec.mode == "snapshot" and spec.iteration == iteration:
+            fire(spec, "during its snapshot write")
+
+
 def fire(spec: FaultSpec, when: str) -> None:
     if attempt() != spec.attempt:
         return
-    if spec.mode == "node":
-        for cb in NODE_LOSS_CALLBACKS:
-            cb()
-    if spec.mode in CORRUPT_MODES:
-        for cb in CORRUPT_CALLBACKS:
-            cb(spec.mode)
+    if spec.mode == "node":  # REFT (if on) wipes the failure domain's shared memory
+        fault_point("node-loss")
+    if spec.mode in CORRUPT_MODES:  # REFT (if on) damages the last committed snapshot
+        fault_point("corrupt", mode=spec.mode)
     name = signal.Signals(spec.signal).name
     from megatron.training.utils import emit  # (imports torch: not at flag parsing)
 
@@ -140,8 +148,6 @@ class SpikeSpec:
 
 def parse_spike_specs(text: str, world_size: int | None = None) -> list[SpikeSpec]:
     """``RANK:ITER[:scale|nan][,...]``."""
-    from megatron.training.arguments import ArgumentError
-
     out = []
     for part in (p for p in text.split(",") if p):
         bits = part.split(":")

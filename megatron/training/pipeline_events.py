@@ -12,7 +12,7 @@ come from"):
   requests; their ``wait()`` is wrapped instead, so the real waits are seen either way.
 
 Both report to a :class:`reft_ext.report.timeline.PipelineEvents`. ``check_seams()`` verifies
-that megatron-core still has the signatures this relies on; tests/test_has.py runs it,
+that megatron-core still has the signatures this relies on; tests/integration/test_has.py runs it,
 so an upgrade that moves them fails a test rather than silently losing the bubbles.
 """
 

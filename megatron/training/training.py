@@ -1,13 +1,13 @@
 """The training loop: megatron-core schedules and optimizers, Megatron-LM's log lines.
 
 ``pretrain(args)`` builds everything, loads ``--load`` if given, trains to
-``--train-iters`` and saves. Thin call sites for REFT live in ``hooks`` (a list of
-objects with optional ``on_start(state)``, ``after_step(state)``, ``on_exit(state)``).
+``--train-iters`` and saves. ``hooks`` are :class:`~megatron.training.hooks.TrainerHook`
+objects; REFT's session (reft_ext/session.py, built in reft_integration.py) is the first
+of them, and everything else REFT does for the loop is one of its methods.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -20,7 +20,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 
-from megatron.training import llama_model, pipeline_events
+from megatron.training import llama_model
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.fault_injection import (maybe_inject_fault, maybe_inject_spike,
                                               parse_fault_specs, parse_spike_specs)
@@ -82,10 +82,10 @@ class Trainer:
         self.marks = [("imports", time.time())]
         initialize_megatron(args)
         self.marks.append(("distributed init", time.time()))
-        from megatron.training.reft_health import startup_health_check
+        from megatron.training import reft_integration
 
         # before any state is built or loaded: a node that fails leaves (or stops) the job
-        if startup_health_check(args):
+        if reft_integration.startup_health_check(args):
             self.marks.append(("health check", time.time()))
         from megatron.training.tokenizer import build_tokenizer
 
@@ -103,14 +103,8 @@ class Trainer:
         self.state = TrainingState(model, optimizer, scheduler)
         # schedule events (bubbles for HAS, the Chrome trace): only when asked for, so a
         # plain run calls megatron-core exactly as Megatron-LM does
-        self.events, self.fb_kwargs = None, {}
-        if args.reft_snapshot_every or args.reft_trace_file:
-            from reft_ext.report.timeline import PipelineEvents
-
-            self.events = PipelineEvents(torch.distributed.get_rank(),
-                                         trace=bool(args.reft_trace_file))
-            self.fb_kwargs = pipeline_events.install(cfg, self.events)
-            self.trace_group = torch.distributed.new_group(backend="gloo")
+        self.events, self.fb_kwargs, self.trace_group = \
+            reft_integration.pipeline_events(args, cfg)
         self.faults = parse_fault_specs(args.inject_fault) if args.inject_fault else []
         self.spikes = parse_spike_specs(args.inject_spike) if args.inject_spike else []
         self.spikes_fired: set = set()
@@ -134,27 +128,24 @@ class Trainer:
 
     def _load(self):
         """Newest valid state across both tiers: host memory (REFT), then --load."""
-        args = self.args
-        self.reft = None
-        if args.reft_snapshot_every:
-            from megatron.training.reft_hooks import ReftHook
+        from megatron.training import reft_integration
 
-            self.reft = ReftHook(args, self.state, self.faults, self.events)
-            self.hooks.insert(0, self.reft)
+        args = self.args
+        # REFT's session (a DisabledSession, doing nothing, when snapshots are off)
+        self.reft = reft_integration.open_session(args, self.state, self.faults,
+                                                  self.events, self.trace_group)
+        self.hooks.insert(0, self.reft)
         persistent = None
         if args.load and os.path.isdir(args.load):
             from megatron.training.checkpointing import read_tracker
 
             persistent = read_tracker(args.load)
-        if self.reft is not None and self.reft.recover(persistent) is not None:
+        if self.reft.recover(persistent) is not None:
             return
         if args.load and self.ckpt.load(self.state):
-            if self.reft is not None:
-                print_rank_0(f"[REFT] recovered iteration {self.state.iteration} from the "
-                             f"persistent checkpoint {args.load}")
-                self.reft.count_recovery("the persistent checkpoint")
+            self.reft.recovered_from_checkpoint(args.load)
             return
-        if self.reft is not None or args.load:
+        if self.reft.enabled or args.load:
             print_rank_0("no saved state found (host memory or --load): starting from "
                          "scratch at iteration 0")
 
@@ -206,7 +197,7 @@ class Trainer:
         if ev:
             ev.step_end()
         for hook in self.hooks:  # REFT: the snapshot in flight completes before the step
-            getattr(hook, "before_optimizer_step", lambda st: None)(s)
+            hook.before_optimizer_step(s)
         maybe_inject_fault(self.faults, torch.distributed.get_rank(), s.iteration + 1)
         if self.spikes:
             maybe_inject_spike(self.spikes, torch.distributed.get_rank(), s.iteration + 1,
@@ -241,7 +232,7 @@ class Trainer:
     def train(self) -> TrainingState:
         args, s = self.args, self.state
         for hook in self.hooks:
-            getattr(hook, "on_start", lambda st: None)(s)
+            hook.on_start(s)
         first = True
         while s.iteration < args.train_iters:
             t0 = time.time()
@@ -260,7 +251,7 @@ class Trainer:
             s.report = {"loss": loss.get("lm loss"), "grad_norm": grad_norm}
             done = s.iteration
             for hook in self.hooks:
-                getattr(hook, "after_step", lambda st: None)(s)
+                hook.after_step(s)
             if s.iteration < done:  # a loss-spike rollback (REFT) took the state back
                 self._after_rollback()
                 continue
@@ -308,9 +299,8 @@ class Trainer:
 
     def _long_phase(self):
         """Checkpoint saves and validation beat nowhere and may outlast
-        --reft-hang-timeout: hang detection pauses for them (reft_ext/cluster/heartbeat.py)."""
-        hb = self.reft.heartbeat if self.reft is not None else None
-        return hb.paused() if hb is not None else contextlib.nullcontext()
+        --reft-hang-timeout: hang detection pauses for them."""
+        return self.reft.heartbeat_paused()
 
     def _save_unless_saved(self) -> None:
         if self.args.save and self.ckpt.latest != self.state.iteration:
@@ -331,17 +321,15 @@ class Trainer:
 
     def _finish(self):
         args, s = self.args, self.state
-        if self.reft is not None and self.reft.heartbeat is not None:
-            self.reft.heartbeat.pause()  # the final save and the shutdown: not judged
+        self.reft.pause_heartbeat()  # the final save and the shutdown: not judged
         self._save_unless_saved()
         if self.ckpt:
             self.ckpt.close()
         if args.save:
             print_rank_0(f"checkpoints are in {os.path.abspath(args.save)}")
         for hook in self.hooks:
-            getattr(hook, "on_exit", lambda st: None)(s)
-        if args.reft_trace_file:
-            self._write_trace()
+            hook.on_exit(s)
+        self.reft.write_trace()  # --reft-trace-file
         if args.log_params_hash:
             emit(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
                  f"state {params_hash(s)}")
@@ -350,25 +338,6 @@ class Trainer:
                 emit(f"[LOSSES] rank {torch.distributed.get_rank()} " + " ".join(
                     f"{i}:{h}" for i, h in sorted(self.losses.items())))
         self.logger.close()
-
-
-    def _write_trace(self) -> None:
-        """Every rank's events to rank 0, one Chrome trace file."""
-        from reft_ext.report.timeline import write_chrome_trace
-
-        tr = self.events.trace
-        tr.labels["process"] = (f"rank {tr.rank} (tp {mpu.get_tensor_model_parallel_rank()}, "
-                                f"pp {mpu.get_pipeline_model_parallel_rank()}, "
-                                f"dp {mpu.get_data_parallel_rank()})")
-        world = torch.distributed.get_world_size()
-        gathered = [None] * world if tr.rank == 0 else None
-        torch.distributed.gather_object((tr.chrome_events(), tr.dropped), gathered, dst=0,
-                                        group=self.trace_group)
-        if tr.rank == 0:
-            write_chrome_trace(self.args.reft_trace_file, [g[0] for g in gathered],
-                               sum(g[1] for g in gathered))
-            print(f"[REFT] trace of {world} ranks written to "
-                  f"{os.path.abspath(self.args.reft_trace_file)}", flush=True)
 
 
 def pretrain(args, hooks=()) -> TrainingState:

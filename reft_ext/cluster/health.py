@@ -4,7 +4,7 @@ pair that failed are regrouped in a second round with nodes that passed, which n
 bad node. Every rank ends with the same verdict (gathered over a gloo group).
 
 Library only (no megatron.training): ``run_health_check`` returns a ``HealthReport``; the
-trainer's call site (megatron/training/reft_health.py) decides what happens to a failed
+trainer's call site (megatron/training/reft_integration.py) decides what happens to a failed
 node. Flags: ``HealthConfig`` (reft_ext/cluster/health_config.py).
 """
 
@@ -24,7 +24,7 @@ MATMUL_RTOL = 1e-2        # of the reference's largest entry: TF32 on a GPU pass
 SLOW_FACTOR = 3.0         # a rank this much slower than the median is reported
 
 
-# ---- the pairing, pure Python (tests/test_health.py checks it without processes) -----
+# ---- the pairing, pure Python (tests/integration/test_health.py checks it without processes) -----
 def pair_nodes(nodes: list[int]) -> list[tuple[int, ...]]:
     """Round 1: (0, 1), (2, 3), ...; an odd last node joins the last pair (a triple),
     so every node is in exactly one group; a single node is a group of its own."""

@@ -1,21 +1,23 @@
 """HealthConfig: the start-up health check and the elastic shrink, flags generated from
 its fields with REFT's naming (``--reft-health-check``, ``--reft-min-nodes`` ...), the
-same way as ReftConfig's. See reft_ext/cluster/health.py and docs/nodes.md."""
+same way as ReftConfig's (reft_ext/flags.py). See reft_ext/cluster/health.py and docs/nodes.md."""
 
 from __future__ import annotations
 
-import argparse
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from reft_ext.config import ReftConfigError, add_reft_flags
+from reft_ext.config import ReftConfigError
+from reft_ext.flags import ReftFlags
 
 # the checks' names (here, not in health.py: parsing flags must not import torch)
 MATMUL, ALLGATHER = "matmul", "all-gather"
 
 
 @dataclass
-class HealthConfig:
+class HealthConfig(ReftFlags):
+    FLAG_TITLE = "REFT health check and elastic shrink"  # add_arguments, from_args
+
     health_check: str = field(default="auto", metadata=dict(
         help="auto | on | off: before resuming, every rank runs a matmul against a float64 "
              "reference and the nodes run all-gathers in pairs (a failed pair is regrouped "
@@ -76,12 +78,3 @@ class HealthConfig:
         if self.health_check == "auto":
             return snapshot_every > 0 or self.min_nodes > 0
         return self.health_check == "on"
-
-    # ---- flags ----------------------------------------------------------------
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        add_reft_flags(cls, parser, "REFT health check and elastic shrink")
-
-    @classmethod
-    def from_args(cls, args) -> HealthConfig:
-        return cls(**{f.name: getattr(args, "reft_" + f.name) for f in fields(cls)})

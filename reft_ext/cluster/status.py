@@ -17,29 +17,26 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import signal
 import time
+
+from reft_ext.store import paths
+from reft_ext.store.atomic import write_atomic
 
 HEALTHY, SNAP, COMPLETED = "HEALTHY", "SNAP", "COMPLETED"
 UNHEALTHY, OFFLINE, FINISHED = "UNHEALTHY", "OFFLINE", "FINISHED"
 STATES = (HEALTHY, SNAP, COMPLETED, UNHEALTHY, OFFLINE, FINISHED)
 
 
+STATUS, WATCHER_PID = ".status.json", ".watcher.pid"  # beside the node's directory
+
+
 def path(shm_dir: str, job: str, node: int) -> str:
-    return os.path.join(shm_dir, f"reft-{job}-node{node}.status.json")
+    return paths.node_file(shm_dir, job, node, STATUS)
 
 
 def watcher_pid_path(shm_dir: str, job: str, node: int) -> str:
-    return os.path.join(shm_dir, f"reft-{job}-node{node}.watcher.pid")
-
-
-def write_atomic(p: str, text: str) -> None:
-    tmp = f"{p}.{os.getpid()}.tmp"  # per writer: the launcher and a rank may race
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, p)
+    return paths.node_file(shm_dir, job, node, WATCHER_PID)
 
 
 def read(shm_dir: str, job: str, node: int) -> dict | None:
@@ -61,27 +58,26 @@ def write(shm_dir: str, job: str, node: int, state: str, iteration: int | None =
            "state": state,
            "iteration": iteration if iteration is not None else old.get("iteration"),
            "updated": time.time(), "detail": detail, "pid": os.getpid()}
-    write_atomic(path(shm_dir, job, node), json.dumps(rec))
+    # per writer: the launcher and a rank may race
+    write_atomic(path(shm_dir, job, node), json.dumps(rec), per_writer=True)
     return rec
 
 
 def read_job(shm_dir: str, job: str) -> list[dict]:
     """Every node's status of a job, by node index."""
     out = []
-    rx = re.compile(rf"reft-{re.escape(job)}-node(\d+)\.status\.json$")
-    for p in glob.glob(os.path.join(shm_dir, f"reft-{glob.escape(job)}-node*.status.json")):
-        m = rx.search(p)
-        if m:
-            rec = read(shm_dir, job, int(m.group(1)))
+    for p in glob.glob(paths.node_glob(shm_dir, job, STATUS)):
+        node = paths.node_of(p, job, STATUS)
+        if node is not None:
+            rec = read(shm_dir, job, node)
             if rec is not None:
                 out.append(rec)
     return sorted(out, key=lambda r: r["node"])
 
 
 def jobs(shm_dir: str) -> list[str]:
-    names = glob.glob(os.path.join(shm_dir, "reft-*-node*.status.json"))
-    return sorted({re.sub(r"^reft-(.*)-node\d+\.status\.json$", r"\1", os.path.basename(n))
-                   for n in names})
+    names = glob.glob(os.path.join(shm_dir, f"{paths.PREFIX}*-node*{STATUS}"))
+    return sorted({paths.job_of(n, STATUS) for n in names} - {None})
 
 
 # ---- the node's watcher process (reft_ext/cluster/watcher.py) -----------------------------
@@ -121,7 +117,7 @@ def _is_watcher(pid: int) -> bool:
 def wait_watchers(shm_dir: str, job: str, timeout: float) -> bool:
     """Wait until no watcher of the job runs (they exit after flushing)."""
     deadline = time.time() + timeout
-    pattern = os.path.join(shm_dir, f"reft-{glob.escape(job)}-node*.watcher.pid")
+    pattern = paths.node_glob(shm_dir, job, WATCHER_PID)
     while time.time() < deadline:
         alive = []
         for p in glob.glob(pattern):
@@ -156,6 +152,6 @@ class NodeSignals:
                "iteration": self.iteration, "updated": time.time(), "detail": detail,
                "pid": os.getpid()}
         try:
-            write_atomic(self.path, json.dumps(rec))
+            write_atomic(self.path, json.dumps(rec), per_writer=True)
         except OSError:
             pass

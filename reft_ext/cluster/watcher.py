@@ -37,6 +37,9 @@ import time
 
 from reft_ext.cluster import heartbeat
 from reft_ext.cluster import status
+from reft_ext.store import paths
+from reft_ext.store.atomic import write_atomic
+from reft_ext.report.events import emit as reft_emit
 
 POLL_S = 0.1
 QUIESCE_S = 20.0  # torchrun stops the other workers within its own 30 s grace
@@ -82,12 +85,7 @@ def flush_node(node_dir: str, flush_dir: str) -> dict[int, list[int]]:
             pass
         _copy_durable(os.path.join(node_dir, name + ".bin"), os.path.join(flush_dir,
                                                                           name + ".bin"))
-        tmp = os.path.join(flush_dir, name + ".json.tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(flush_dir, name + ".json"))
+        write_atomic(os.path.join(flush_dir, name + ".json"), text, durable=True)
         done.setdefault(int(manifest["rank"]), []).append(int(manifest["iteration"]))
     for c in glob.glob(os.path.join(node_dir, "rank*.committed")):
         try:
@@ -102,8 +100,12 @@ def kill_hung(a, hung: list[dict]) -> str:
     lines = [heartbeat.describe(h, a.node, a.hang_timeout) for h in hung]
     for h, line in zip(hung, lines):
         status.write(a.shm_dir, a.job, a.node, status.UNHEALTHY, detail=f"hang: {line}")
-        print(f"[REFT] hang: {line}; SIGKILL so that torchrun restarts the workers",
-              flush=True)
+        reft_emit("hang", f"hang: {line}; SIGKILL so that torchrun restarts the workers",
+                  rank=h["rank"], pid=h["pid"], node=a.node, silent_s=round(h["silent"], 1),
+                  state=heartbeat.STATE_NAMES[h["state"]], iteration=h["iteration"],
+                  limit_s=h["limit"], timeout_s=a.hang_timeout,
+                  starved_s=round(h.get("starved", 0.0), 1),
+                  process=heartbeat.process_state(h["pid"]))
         try:
             os.kill(h["pid"], signal.SIGKILL)
         except ProcessLookupError:
@@ -116,7 +118,7 @@ def kill_hung(a, hung: list[dict]) -> str:
 
 def watch(a) -> int:
     pids = [int(p) for p in a.pids.split(",")]
-    node_dir = os.path.join(a.shm_dir, f"reft-{a.job}-node{a.node}")
+    node_dir = paths.node_dir(a.shm_dir, a.job, a.node)
     ranks = [int(r) for r in a.ranks.split(",")] if a.ranks else []
     hangs = heartbeat.HangMonitor(node_dir, ranks, pids, a.hang_timeout) \
         if a.hang_timeout > 0 and ranks else None
@@ -157,7 +159,8 @@ def watch(a) -> int:
            f"{a.flush_dir} in {time.time() - t0:.2f} s")
     status.write(a.shm_dir, a.job, a.node, status.UNHEALTHY,
                  detail=f"{cause}; {msg}" if cause else msg)
-    print(f"[REFT] {msg}", flush=True)
+    reft_emit("flushed", msg, node=a.node, ranks=sorted(done), iterations=its,
+              flush_dir=a.flush_dir)
     return 0
 
 
@@ -173,7 +176,7 @@ def spawn(shm_dir: str, job: str, node: int, pids: list[int], flush_dir: str,
          "--node", str(node), "--pids", ",".join(map(str, pids)), "--flush-dir", flush_dir,
          "--ranks", ",".join(map(str, ranks or [])), "--hang-timeout", str(hang_timeout)],
         env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    status.write_atomic(status.watcher_pid_path(shm_dir, job, node), str(p.pid))
+    write_atomic(status.watcher_pid_path(shm_dir, job, node), str(p.pid), per_writer=True)
     return p.pid
 
 

@@ -29,7 +29,7 @@ from concurrent.futures import wait as futures_wait
 import torch
 
 from reft_ext import _native
-from reft_ext.protect.xor import as_bytes
+from reft_ext.state.layout import as_bytes
 
 CopyItem = tuple[torch.Tensor, torch.Tensor, int, int, int]  # src, dst, src_off, dst_off, nbytes
 

@@ -1,1 +1,6 @@
-"""Getting state back: choose an iteration, recover from own or peers' memory, reshard, flushed tier, rollback."""
+"""Getting state back. What REFT-load decides is pure (inventory.py: what each rank
+holds; planning.py: which iteration, and where every slice, owned shard and metadata
+come from; errors.py: why not); what it does is I/O and collectives (recover.py after a
+restart, reshard.py after a shrink) over a narrow view of the snapshotter (view.py).
+Beside them: fused.py (verify-and-load in one pass), flushed.py (the flushed tier),
+rollback.py (loss-spike rollback)."""

@@ -27,7 +27,8 @@ def _read(path: str) -> dict | None:
         _reported.add((path, why))
         from reft_ext.save.snapshotter import reft_print
 
-        reft_print(f"{path} {why}: not used")
+        reft_print(f"{path} {why}: not used", event="untrusted_file", path=path,
+                   kind="flushed", why=why)
     return obj
 
 

@@ -21,12 +21,12 @@ a snapshot in memory every iteration it takes one REFT-load (milliseconds) in pr
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from reft_ext.config import ReftConfigError, add_reft_flags
+from reft_ext.config import ReftConfigError
+from reft_ext.flags import ReftFlags
 
 MODES = ("off", "nan", "spike")
 
@@ -40,7 +40,11 @@ class RollbackLimitError(RollbackError):
 
 
 @dataclass
-class RollbackConfig:
+class RollbackConfig(ReftFlags):
+    """Loss-spike rollback settings, one ``--reft-<field>`` flag each."""
+
+    FLAG_TITLE = "REFT loss-spike rollback from host memory"  # add_arguments, from_args
+
     rollback_on: str = field(default="nan", metadata=dict(
         help="roll back in memory (needs --reft-snapshot-every): off | nan (a non-finite "
              "loss or grad norm) | spike (also a loss or grad norm above median + "
@@ -77,13 +81,6 @@ class RollbackConfig:
     def enabled(self) -> bool:
         return self.rollback_on != "off"
 
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        add_reft_flags(cls, parser, "REFT loss-spike rollback from host memory")
-
-    @classmethod
-    def from_args(cls, args) -> RollbackConfig:
-        return cls(**{f.name: getattr(args, "reft_" + f.name) for f in fields(cls)})
 
 
 MIN_HISTORY = 8    # finite values needed before the spike rule judges

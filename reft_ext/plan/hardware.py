@@ -1,5 +1,5 @@
 """Hardware figures the planner needs, with named profiles, and the training-cost
-estimator built on them (FIELD.md: days = tokens x 6W / (GPUs x peak FLOP/s x MFU)).
+estimator built on them (docs/design.md: days = tokens x 6W / (GPUs x peak FLOP/s x MFU)).
 
 Figures are per device (GPU, or GCD for MI250X) unless named per node. They are vendor
 peak or commonly measured values, rounded; a real cluster's own measurements (for D2H, a

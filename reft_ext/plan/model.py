@@ -17,7 +17,8 @@ from reft_ext.plan.common import flag_field as _f
 from reft_ext.plan.presets import (
     LLAMA2_VOCAB_SIZE,
     MODEL_PRESETS,
-    llama_ffn_hidden_size,
+    check_model_split,
+    fill_model_shape,
 )
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -48,23 +49,7 @@ class ModelConfig:
                  f"{', '.join(sorted(MODEL_PRESETS))}")
         if self.precision not in PRECISIONS:
             fail("--bf16/--fp16", f"precision must be one of {PRECISIONS}")
-        preset = dict(MODEL_PRESETS[self.model_size]) if self.model_size else {}
-        if self.hidden_size is not None:  # derived from the preset's width only
-            preset.pop("ffn_hidden_size", None)
-        if self.num_attention_heads is not None:
-            preset.pop("num_query_groups", None)
-        for key, value in preset.items():
-            if getattr(self, key) is None:
-                setattr(self, key, value)
-        for flag in ("num_layers", "hidden_size", "num_attention_heads"):
-            if getattr(self, flag) is None:
-                fail("--" + flag.replace("_", "-"), "required (or give --model-size)")
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = llama_ffn_hidden_size(self.hidden_size)
-        if self.seq_length is None:
-            self.seq_length = 128 if self.model_size == "tiny" else 4096
+        fill_model_shape(self, self.model_size, fail)
         positive(ModelConfig, self, "num_layers", "hidden_size", "num_attention_heads",
                  "num_query_groups", "ffn_hidden_size", "seq_length", "vocab_size",
                  "make_vocab_size_divisible_by")
@@ -204,15 +189,7 @@ class ParallelConfig:
     def check(self, model: ModelConfig) -> None:
         """What the trainer's validate_args would reject for this model and layout."""
         tp, pp = self.tp, self.pp
-        if model.num_layers % pp:
-            fail("--pipeline-model-parallel-size",
-                 f"--num-layers {model.num_layers} is not divisible by PP {pp}")
-        for what, n in (("attention heads", model.num_attention_heads),
-                        ("query groups", model.num_query_groups)):
-            if n % tp:
-                fail("--tensor-model-parallel-size", f"{n} {what} are not divisible by TP {tp}")
-        if model.ffn_hidden_size % tp:
-            fail("--ffn-hidden-size", f"{model.ffn_hidden_size} is not divisible by TP {tp}")
+        check_model_split(model, tp, pp, fail)
         per_vp = self.num_layers_per_virtual_pipeline_stage
         if per_vp is not None:
             per_stage = model.num_layers // pp

@@ -39,7 +39,7 @@ class ReliabilityConfig:
     """Failure rates and the costs of restarting, in hours and seconds as named."""
 
     node_failures_per_day: float = _f(0.008, "probability that a node fails within a day "
-                                             "(FIELD.md: 0.1%% per GPU, 8 GPUs)")
+                                             "(docs/design.md: 0.1%% per GPU, 8 GPUs)")
     weibull_shape: float = _f(1.0, "Weibull shape c (1: exponential, < 1: infant "
                                    "mortality)")
     weibull_lambda: float | None = _f(None, "Weibull scale: S(t) = exp(-lambda t^c), t in "

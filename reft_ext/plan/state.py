@@ -6,7 +6,7 @@ they own storage, then Adam's moments), and is split into replicated / owned as
 ``MegatronStateAdapter`` does. The tensors live on the meta device, so a 34B model's
 per-rank state is sized without allocating it, and fed to the same
 :class:`reft_ext.state.layout.StateLayout` and :func:`reft_ext.protect.schemes.snapshot_regions` as
-real snapshots (tests/test_plan.py checks the result against a real run's manifests).
+real snapshots (tests/integration/test_plan.py checks the result against a real run's manifests).
 
 The distributed optimizer's shards follow megatron-core 0.16.1 with the trainer's DDP
 config (``overlap_grad_reduce=False``, so one bucket per model chunk):

@@ -23,9 +23,20 @@ from abc import ABC, abstractmethod
 import torch
 
 from reft_ext.state.layout import StateLayout
+from reft_ext.state.regions import Region, Source
 from reft_ext.protect.xor import xor_encode
 
-OWN, REPLICA, PARITY = "own", "replica", "parity"
+# the plan's sources by their older names (Source.OWN == "own": plans compare as before)
+OWN, REPLICA, PARITY = Source.OWN, Source.REPLICA, Source.PARITY
+
+PROTECTIONS: dict[str, type[Protection]] = {}  # --reft-protect name -> scheme
+
+
+def register(cls: type[Protection]) -> type[Protection]:
+    """Class decorator: the scheme becomes available to :func:`make_protection` by its
+    ``name`` (what manifests store and ``--reft-protect`` accepts)."""
+    PROTECTIONS[cls.name] = cls
+    return cls
 
 
 class Protection(ABC):
@@ -48,12 +59,12 @@ class Protection(ABC):
     def sources(self, lost: int) -> list[int]:
         """Members whose redundancy block is needed to rebuild slice ``lost``."""
 
-    def plan(self, own_ok: list[bool], red_ok: list[bool]) -> dict[int, str] | None:
+    def plan(self, own_ok: list[bool], red_ok: list[bool]) -> dict[int, Source] | None:
         """slice -> how it comes back (own / replica / parity), or None."""
         out = {}
         for d in range(self.D):
             if own_ok[d]:
-                out[d] = OWN
+                out[d] = Source.OWN
                 continue
             how = self._rebuild_method(d, own_ok, red_ok)
             if how is None:
@@ -69,6 +80,7 @@ class Protection(ABC):
         raise RuntimeError(f"{self.name}: slice {lost} cannot be rebuilt")
 
 
+@register
 class NoProtection(Protection):
     name = "none"
 
@@ -82,6 +94,7 @@ class NoProtection(Protection):
         return []
 
 
+@register
 class ARC(Protection):
     """Asynchronous redundant copying: a replica of the next member's slice."""
 
@@ -101,12 +114,13 @@ class ARC(Protection):
         return [self.holder(lost)]
 
     def _rebuild_method(self, d, own_ok, red_ok):
-        return REPLICA if red_ok[self.holder(d)] else None
+        return Source.REPLICA if red_ok[self.holder(d)] else None
 
     def recover(self, lost, slices, redundancy, out):
         out.copy_(redundancy[self.holder(lost)])
 
 
+@register
 class AEC(Protection):
     """Asynchronous erasure coding: XOR parity spread over the other members."""
 
@@ -147,7 +161,7 @@ class AEC(Protection):
     def _rebuild_method(self, d, own_ok, red_ok):
         others = [j for j in range(self.D) if j != d]
         if all(own_ok[j] and red_ok[j] for j in others):
-            return PARITY
+            return Source.PARITY
         return None
 
     def plan(self, own_ok, red_ok):
@@ -168,17 +182,17 @@ class AEC(Protection):
 
 
 def snapshot_regions(layout: StateLayout, protection: Protection,
-                     aor_bytes: int = 0) -> dict[str, list[int]]:
+                     aor_bytes: int = 0) -> dict[Region, list[int]]:
     """[offset, length] of each region of a rank's snapshot slot: its own slice, its
     redundancy block, its owned (ZeRO-1) state and, with AOR, the host replica of a
     peer's owned state. Real snapshots and the planner size host memory with this one
     function."""
     own, red, owned = layout.slice_bytes, protection.redundancy_bytes(layout), \
         layout.owned.nbytes
-    return {"own": [0, own], "redundancy": [own, red], "owned": [own + red, owned],
-            "aor": [own + red + owned, aor_bytes]}
+    return {Region.OWN: [0, own], Region.REDUNDANCY: [own, red],
+            Region.OWNED: [own + red, owned], Region.AOR: [own + red + owned, aor_bytes]}
 
 
 def make_protection(name: str, group_size: int) -> Protection:
-    cls = {"none": NoProtection, "arc": ARC, "aec": AEC}[name]
-    return cls(group_size)
+    """The registered scheme ``name`` (none, arc, aec) for a group of ``group_size``."""
+    return PROTECTIONS[name](group_size)

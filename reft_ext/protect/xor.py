@@ -2,7 +2,7 @@
 
 Works on bytes, not elements, so fp32 / bf16 / fp16 / int / bool tensors all go
 through the same kernel: pass tensors of any dtype (contiguous), they are
-viewed as uint8 without a copy (see :func:`as_bytes`).  All members and the
+viewed as uint8 without a copy (``as_bytes``, reft_ext/state/layout.py).  All members and the
 output must have the same number of bytes; callers pad the last member of a
 group (the snapshot layout does this).
 
@@ -22,20 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from reft_ext import _native
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Flat uint8 view of a contiguous tensor of any dtype (never copies)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError("tensor must be contiguous to be viewed as bytes (call .contiguous())")
-    flat = t.reshape(-1)
-    if flat.dtype == torch.uint8:
-        return flat
-    if flat.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return flat.view(torch.uint8)
+from reft_ext.state.layout import as_bytes
 
 
 def _span(b: torch.Tensor) -> tuple[int, int]:

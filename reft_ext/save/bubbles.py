@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALIGN = 64  # the tier boundary falls on a cache line, like the slices
+from reft_ext.state.layout import ALIGN  # the tier boundary falls on a cache line
 
 
 def bubble_time(pp: int, t_fb: float, vpp: int = 1) -> float:

@@ -6,7 +6,7 @@ gradients and activations), so the state of iteration i stands still until the o
 step of iteration i+1; the trainer calls :meth:`HasWorker.drain` right before that step
 and whatever is left is copied then (that wait is the snapshot's overhead).
 
-Tiers (Algorithm 1 in REFT.md, ``reft_ext/save/bubbles.py``): the first ``bubble_bytes`` of the
+Tiers (Algorithm 1 in docs/design.md, ``reft_ext/save/bubbles.py``): the first ``bubble_bytes`` of the
 snapshot are tier 1 and are copied only while the rank waits on pipeline communication
 (the schedule's p2p waits, reported through :class:`reft_ext.report.timeline.PipelineEvents`);
 the rest is tier 2 and is copied concurrently with compute, one small chunk at a time.
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from reft_ext.report.timeline import Trace, now_us
+from reft_ext.state.regions import Region
 
 TIER1, TIER2 = 1, 2
 
@@ -38,7 +39,7 @@ TIER1, TIER2 = 1, 2
 class Unit:
     """One chunk: ``run()`` fills it and returns its digest."""
 
-    region: str
+    region: Region
     index: int
     nbytes: int
     run: Callable[[], int]
@@ -51,7 +52,7 @@ class Batch:
 
     units: list[Unit]
     iteration: int
-    digests: dict[str, dict[int, int]] = field(default_factory=dict)
+    digests: dict[Region, dict[int, int]] = field(default_factory=dict)
     done: int = 0
     by_how: dict[str, int] = field(default_factory=lambda: {"bubble": 0, "compute": 0,
                                                            "drain": 0})

@@ -1,37 +1,48 @@
 """REFT-save: per-iteration sharded snapshots into host memory, protected, committed
 job-wide. The trainer supplies a :class:`StateAdapter`; this module never imports the
 training loop.
+
+Data flow of one snapshot (reft_ext/save/snapshotter.py ties the pieces together):
+state tensors (reft_ext/state/layout.py) -> units of one 4 MiB chunk each, filled by a
+copy (reft_ext/copy/engine.py) or a protection encode (reft_ext/protect/schemes.py) into
+a slot of the store (reft_ext/store/slots.py), hashed as they land -> run when the
+schedule says (reft_ext/save/schedules.py, tiers.py) -> sealed and committed job-wide
+(reft_ext/store/commit.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from reft_ext.save.bubbles import bubble_time, snapshot_time, tier_split
-from reft_ext.store.checksum import CHUNK, checksum, chunk_digest, combine
-from reft_ext.store.checksum import DEFAULT as CHECKSUM
+from reft_ext.store.checksum import CHUNK, chunk_digest
 from reft_ext import _native
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
 from reft_ext.state.layout import StateLayout
+from reft_ext.state.regions import Region
 from reft_ext.protect.schemes import make_protection, snapshot_regions
-from reft_ext.save.has import TIER1, TIER2, Batch, HasWorker, Unit
+from reft_ext.save.has import Batch, Unit
+from reft_ext.save.schedules import EndOfIteration, make_schedule
+from reft_ext.save.tiers import Bandwidth, concurrent_tier2
 from reft_ext.state.identity import stamp
 from reft_ext.cluster import status as node_status
+from reft_ext.store.commit import Committer
 from reft_ext.store.slots import SnapshotStore, to_jsonable
 from reft_ext.report.timeline import PipelineEvents
+from reft_ext.report.events import emit
+from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 log = logging.getLogger("reft")
 
 
 class StateAdapter(Protocol):
-    """What REFT needs from a trainer (see megatron/training/reft_hooks.py)."""
+    """What REFT needs from a trainer (megatron/training/reft_integration.py has
+    Megatron's; reft_ext/session.py adds what the session needs)."""
 
     rank: int
     world_size: int
@@ -47,33 +58,20 @@ class StateAdapter(Protocol):
     def set_meta(self, meta: dict) -> None: ...
 
 
-def reft_print(msg: str) -> None:
-    """One ``[REFT]`` line in one write (ranks share a pipe: print() writes the text and
-    the newline separately, so lines of two ranks could run together)."""
-    sys.stdout.write(f"[REFT] {msg}\n")
-    sys.stdout.flush()
-
-
-
-
-def _concurrent_tier2(cfg: ReftConfig, layout: StateLayout, local_ranks: int) -> bool:
-    """Can a copy run beside compute without taking the compute's place? A device-to-host
-    copy can (copy engines); on a CPU only when the node has cores the ranks' compute
-    threads leave idle. Otherwise a chunk copied "beside" compute just delays it, and on
-    an early pipeline stage delays every later stage too: better at the drain."""
-    if cfg.has_tier2 != "auto":
-        return cfg.has_tier2 == "concurrent"
-    tensors = layout.replicated.tensors + layout.owned.tensors
-    if any(t.device.type != "cpu" for t in tensors):
-        return True
-    return _native.num_cpus() > local_ranks * torch.get_num_threads()
+def reft_print(msg: str, event: str | None = None, **fields) -> None:
+    """One ``[REFT]`` line in one write; with ``event``, the same fact as fields in
+    ``$REFT_EVENTS_FILE`` too (reft_ext/report/events.py)."""
+    emit(event, msg, **fields)
 
 
 class ReftSnapshotter:
     """Takes, protects and commits the snapshots of one rank, on the schedule of
-    ``--reft-schedule``: ``end-of-iteration`` (blocking copy after the optimizer step),
-    ``host-thread`` (a thread copies it all at once, unaware of the schedule) or ``has``
-    (bubbles first, the rest in small chunks beside compute; see reft_ext/save/has.py)."""
+    ``--reft-schedule`` (reft_ext/save/schedules.py): ``end-of-iteration`` (blocking copy
+    after the optimizer step), ``host-thread`` (a thread copies it all at once, unaware
+    of the schedule) or ``has`` (bubbles first, the rest in small chunks beside compute).
+
+    REFT-load (reft_ext/load/) reads what a snapshot is made of from here: ``D``,
+    ``member``, ``protection``, ``layout``, ``regions``, ``nbytes``, ``store``, ``aor``."""
 
     def __init__(self, cfg: ReftConfig, adapter: StateAdapter,
                  events: PipelineEvents | None = None):
@@ -92,20 +90,31 @@ class ReftSnapshotter:
                                                list(range(node * rpn, (node + 1) * rpn)),
                                                adapter.rank % rpn == 0)
         self.aor = None  # AORTransport: this rank's shard -> its holder, a peer's replica here
-        aor_bytes = self._setup_aor() if cfg.enabled and cfg.aor else 0
+        aor_bytes = 0
+        if cfg.enabled and cfg.aor:
+            from reft_ext.protect.aor.transport import connect
+
+            self.aor, self.aor_peer_spec = connect(
+                adapter.dp_ranks, adapter.torch_optimizers(),
+                alloc=lambda n: self.store.buffer("aor", n))
+            aor_bytes = self.aor_peer_spec.nbytes
         self.regions = snapshot_regions(self.layout, self.protection, aor_bytes)
         self.nbytes = sum(n for _, n in self.regions.values())
         self.aor_checks = [0, 0]  # verifications, mismatches
         # the run's identity in every manifest: REFT-load never takes another run's state
         ident = getattr(adapter, "identity", None)
         self.identity = stamp(ident()) if ident is not None else None
-        self.engine = CopyEngine()
+        self.committer = Committer(
+            self.store, {"rank": adapter.rank, "member": self.member,
+                         "dp_ranks": adapter.dp_ranks, "world_size": adapter.world_size,
+                         "protection": self.protection.name,
+                         "layout": self.layout.signature(), "nbytes": self.nbytes},
+            self.regions, adapter.control_group, self.identity,
+            getattr(adapter, "run_id", None), self.aor)
         # snapshot units: one native thread (a unit is one 4 MiB chunk), CPU sources only
-        cpu = all(t.device.type == "cpu" for t in
-                  self.layout.replicated.tensors + self.layout.owned.tensors)
+        tensors = self.layout.replicated.tensors + self.layout.owned.tensors
+        cpu = all(t.device.type == "cpu" for t in tensors)
         self.unit_engine = CopyEngine(1) if _native.C is not None and cpu else None
-        # test hook: called halfway through a snapshot write (after the own slice)
-        self.fault: Callable[[int], None] | None = None
         self._check_memory()
         self.events = events or PipelineEvents(adapter.rank)
         self.pipeline = getattr(adapter, "pipeline", (1, 1, 1))  # (pp, vpp, micro-batches)
@@ -113,31 +122,12 @@ class ReftSnapshotter:
         self.last: dict = {}
         self.blocked_history: list[float] = []  # slowest rank's blocking s, per snapshot
         self.recovered_from: str | None = None  # set by REFT-load (reft_ext/load/recover.py)
-        # BW_io of Algorithm 1, bytes/s, as measured by the last snapshots (None before
-        # the first: it then waits for the bubbles and the step, never competing)
-        self.bandwidth: float | None = None
-        self._bw: list[float] = []
+        self.bandwidth = Bandwidth()  # BW_io of Algorithm 1, measured by every snapshot
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # sharing these cores
-        self.concurrent_tier2 = _concurrent_tier2(cfg, self.layout, local_ranks)
-        self.worker = None
-        if cfg.enabled and cfg.schedule != "end-of-iteration":
-            self.worker = HasWorker(self.events.trace)
-            if cfg.schedule == "has":
-                self.events.listeners.append(self.worker)
-
-    def _setup_aor(self) -> int:
-        """AOR: a dedicated gloo group per sharding group, the owner's step hook, and the
-        live replica of member (d+1)'s shard in this failure domain's shared memory.
-        Returns the replica's size (the "aor" region of every snapshot)."""
-        from reft_ext.protect.aor.transport import AORTransport, new_aor_group
-
-        group = new_aor_group(self.a.dp_ranks)
-        self.aor = AORTransport(self.a.torch_optimizers(), group,
-                                alloc=lambda n: self.store.buffer("aor", n))
-        specs = [None] * self.D
-        torch.distributed.all_gather_object(specs, self.aor.owner.spec, group=group)
-        self.aor_peer_spec = specs[self.aor.ranks.index(self.aor.owner_rank)]
-        return self.aor_peer_spec.nbytes
+        self.concurrent_tier2 = concurrent_tier2(cfg.has_tier2, tensors, local_ranks)
+        self.schedule = make_schedule(cfg.schedule if cfg.enabled else EndOfIteration.name,
+                                      self.events, self.bandwidth, self.pipeline,
+                                      self.concurrent_tier2)
 
     def start(self) -> None:
         """Before the first step (after any recovery): holders get their owners' shards."""
@@ -156,7 +146,8 @@ class ReftSnapshotter:
     def host_bytes_per_node(self) -> int:
         """Shared memory this job holds on each node: --reft-keep slots per rank and the
         live AOR replica (a peer's optimizer shard) beside them."""
-        return (self.cfg.keep * self.nbytes + self.regions["aor"][1]) * self.cfg.ranks_per_node
+        return (self.cfg.keep * self.nbytes + self.regions[Region.AOR][1]) * \
+            self.cfg.ranks_per_node
 
     def _check_memory(self) -> None:
         """--reft-keep slots per rank (and the live AOR replica), for every rank of the
@@ -175,19 +166,15 @@ class ReftSnapshotter:
 
     # ---- save -------------------------------------------------------------------
     def maybe_snapshot(self, iteration: int) -> bool:
-        """Called after the optimizer step of ``iteration``."""
+        """Called after the optimizer step of ``iteration``: the schedule copies now
+        (end-of-iteration: training waits) or during the next forward/backward."""
         if not self.cfg.enabled or iteration % self.cfg.snapshot_every:
             return False
         self.flush()
-        if self.worker is None:       # end-of-iteration: copy now, training waits
-            with self.events.span("snapshot-copy", "snapshot", iteration=iteration):
-                self._run_inline(self._begin(iteration))
+        with self.events.span(self.schedule.span, "snapshot", iteration=iteration):
+            self.schedule.submit(self._begin(iteration))
+        if self.schedule.inline:
             self._finish(wait_s=None)
-        else:                         # has / host-thread: copy during the next fwd/bwd
-            with self.events.span("snapshot-handover", "snapshot", iteration=iteration):
-                batch = self._begin(iteration)
-                self._plan_tiers(batch)
-                self.worker.submit(batch)
         return True
 
     def before_optimizer_step(self) -> None:
@@ -199,7 +186,7 @@ class ReftSnapshotter:
         if self.pending is None:
             return
         with self.events.span("snapshot-drain", "snapshot", iteration=self.pending.iteration):
-            wait = self.worker.drain()
+            wait = self.schedule.drain()
         self._finish(wait_s=wait)
 
     def _begin(self, iteration: int) -> Batch:
@@ -209,10 +196,10 @@ class ReftSnapshotter:
         slot, buf = self.store.begin(self.nbytes)
         start = lay.slice_range(self.member)[0]
         fills = {
-            "own": lambda dst, lo: self._copy(lay.replicated, start + lo, dst),
-            "redundancy": lambda dst, lo: self.protection.encode(lay, dst, lo),
-            "owned": lambda dst, lo: self._copy(lay.owned, lo, dst),
-            "aor": self._copy_aor,
+            Region.OWN: lambda dst, lo: self._copy(lay.replicated, start + lo, dst),
+            Region.REDUNDANCY: lambda dst, lo: self.protection.encode(lay, dst, lo),
+            Region.OWNED: lambda dst, lo: self._copy(lay.owned, lo, dst),
+            Region.AOR: self._copy_aor,
         }
         batch = Batch(units, iteration)
         for region, (off, n) in self.regions.items():
@@ -245,77 +232,22 @@ class ReftSnapshotter:
 
     def _unit(self, batch, fill, dst, lo, region):
         def run() -> int:
-            if region != "own" and self.fault is not None and not batch.fault_checked:
-                batch.fault_checked = True  # test hook: "halfway through the write"
-                self.fault(batch.iteration)
+            if region != "own" and not batch.fault_checked:
+                batch.fault_checked = True  # halfway through the write (reft_ext/testing)
+                fault_point("snapshot-write", iteration=batch.iteration)
             with torch.no_grad():
                 fill(dst, lo)
             return chunk_digest(dst)
         return run
 
-    def _run_inline(self, batch: Batch) -> None:
-        t0 = time.perf_counter()
-        for u in batch.units:
-            batch.digests.setdefault(u.region, {})[u.index] = u.run()
-        batch.done = len(batch.units)
-        batch.by_how["drain"] = self.nbytes
-        batch.busy_s = time.perf_counter() - t0
-
-    def _plan_tiers(self, batch: Batch) -> None:
-        """Algorithm 1 with measured inputs. T_bubble is the larger of the 1F1B formula
-        (P-1) * t_fb, t_fb measured from this stage's compute phases, and the profile of
-        the p2p waits of recent steps: the waits see the warm-up/steady-state bubbles
-        (and any imbalance), the formula also counts the cool-down idle of the later
-        stages, which falls after their last backward, where the drain copies."""
-        t_snap = snapshot_time(self.nbytes, self.bandwidth) if self.bandwidth else float("inf")
-        prof = self.events.profile
-        compute, (pp, vpp, m) = prof.compute(), self.pipeline
-        formula = bubble_time(pp, compute / m, vpp) if compute else 0.0
-        t_bubble = max(formula, prof.bubble() or 0.0)
-        if self.cfg.schedule == "host-thread":
-            t_bubble = 0.0
-        split = tier_split(self.nbytes, t_snap, t_bubble)
-        if self.bandwidth is None and t_bubble > 0:  # first snapshot: bubbles only
-            split = tier_split(self.nbytes, 0.0, t_bubble)
-        batch.split, seen = split, 0
-        host_thread = self.cfg.schedule == "host-thread"  # copies at once, everything
-        for u in batch.units:
-            # deferred tier 2 waits, like tier 1, for a bubble or the drain
-            bubble = seen < split.bubble_bytes or not self.concurrent_tier2
-            u.tier = TIER2 if host_thread or not bubble else TIER1
-            seen += u.nbytes
-
     def _finish(self, wait_s: float | None) -> None:
+        """Seal the snapshot in flight, commit it job-wide, say so (rank 0)."""
         batch, self.pending = self.pending, None
-        algo, sums = CHECKSUM, {}
-        for region, (_, n) in self.regions.items():
-            d = batch.digests.get(region, {})
-            sums[region] = combine([d[i] for i in range(len(d))], algo) if n else \
-                checksum(b"", algo)
-        if batch.busy_s > 0 and self.nbytes >= CHUNK:  # bytes/s of the copy + hash itself
-            self._bw = [*self._bw[-2:], self.nbytes / batch.busy_s]
-            self.bandwidth = sorted(self._bw)[len(self._bw) // 2]
-        manifest = {
-            "iteration": batch.iteration, "rank": self.a.rank, "member": self.member,
-            "dp_ranks": self.a.dp_ranks, "world_size": self.a.world_size,
-            "protection": self.protection.name, "layout": self.layout.signature(),
-            "nbytes": self.nbytes, "checksum": algo,
-            "regions": {k: [o, n, sums[k]] for k, (o, n) in self.regions.items()},
-            "meta": batch.meta,
-        }
-        if self.identity is not None:  # + the run id (kept in the state across restarts)
-            run_id = getattr(self.a, "run_id", None)
-            manifest["identity"] = dict(self.identity, run=run_id() if run_id else None)
-        if self.aor is not None:  # whose shard the aor region holds, and can it be trusted
-            manifest["aor"] = {"owner": self.aor.owner_rank, "valid": self.aor.replica.valid}
-        self.store.finish(batch.slot, manifest)
+        sums = self.committer.seal(batch.slot, batch.iteration, batch.digests, batch.meta)
+        self.bandwidth.record(self.nbytes, batch.busy_s)  # bytes/s of the copy + hash
         blocked = batch.busy_s if wait_s is None else wait_s
         with self.events.span("snapshot-commit", "snapshot", iteration=batch.iteration):
-            # collective commit: the new snapshot replaces the old one only when it is
-            # complete on every rank of the job (the all-reduce returns only then)
-            total = torch.tensor([self.nbytes], dtype=torch.int64)
-            torch.distributed.all_reduce(total, group=self.a.control_group)
-            self.store.commit(batch.slot, batch.iteration)
+            total = self.committer.commit(batch.slot, batch.iteration, self.nbytes)
         self.signals.set(node_status.COMPLETED, batch.iteration)
         self.last = {"iteration": batch.iteration, "blocked_s": blocked, **batch.by_how,
                      "sums": sums}
@@ -324,18 +256,30 @@ class ReftSnapshotter:
                                      group=self.a.control_group)
         self.blocked_history.append(stats[0].item())
         if self.a.rank == 0:
-            r, how = self.regions, batch.by_how
-            aor = f", aor {r['aor'][1]}" if self.aor is not None else ""
-            tiers = "" if wait_s is None else (
-                f", {self.cfg.schedule}: {how['bubble']} B in bubbles, {how['compute']} B "
-                f"beside compute, {how['drain']} B at the step")
-            reft_print(f"snapshot iteration {batch.iteration}: {total.item()} bytes on "
-                       f"{self.a.world_size} ranks (per rank: own {r['own'][1]}, "
-                       f"{self.protection.name} {r['redundancy'][1]}, owned {r['owned'][1]}"
-                       f"{aor})"
-                       f"{tiers}; training blocked {1000 * stats[0].item():.1f} ms, copy "
-                       f"{1000 * stats[1].item():.1f} ms (slowest rank), committed "
-                       f"{1000 * (time.perf_counter() - batch.t0):.1f} ms after the step")
+            self._report(batch, wait_s, total, stats[0].item(), stats[1].item())
+
+    def _report(self, batch: Batch, wait_s: float | None, total: int, blocked_s: float,
+                copy_s: float) -> None:
+        """The snapshot's one ``[REFT]`` line (and event): the slowest rank's times."""
+        r, how, schedule = self.regions, batch.by_how, self.schedule.name
+        aor = f", aor {r[Region.AOR][1]}" if self.aor is not None else ""
+        tiers = "" if wait_s is None else (
+            f", {schedule}: {how['bubble']} B in bubbles, {how['compute']} B "
+            f"beside compute, {how['drain']} B at the step")
+        committed_ms = 1000 * (time.perf_counter() - batch.t0)
+        reft_print(f"snapshot iteration {batch.iteration}: {total} bytes on "
+                   f"{self.a.world_size} ranks (per rank: own {r[Region.OWN][1]}, "
+                   f"{self.protection.name} {r[Region.REDUNDANCY][1]}, owned "
+                   f"{r[Region.OWNED][1]}{aor}){tiers}; training blocked "
+                   f"{1000 * blocked_s:.1f} ms, copy {1000 * copy_s:.1f} ms (slowest rank), "
+                   f"committed {committed_ms:.1f} ms after the step",
+                   event="snapshot", iteration=batch.iteration, bytes=total,
+                   ranks=self.a.world_size, per_rank={k: n for k, (_, n) in r.items()},
+                   protection=self.protection.name,
+                   schedule=None if wait_s is None else schedule,
+                   tiers=None if wait_s is None else dict(how),
+                   blocked_ms=1000 * blocked_s, copy_ms=1000 * copy_s,
+                   committed_ms=committed_ms)
 
     def close(self, remove: bool) -> None:
         self.flush()
@@ -343,9 +287,7 @@ class ReftSnapshotter:
             self.aor.close()
         if self.unit_engine is not None:
             self.unit_engine.close()
-        if self.worker is not None:
-            self.worker.close()
-        self.engine.close()
+        self.schedule.close()
         if remove:
             self.store.remove()
         else:

@@ -20,14 +20,24 @@ import torch
 
 from reft_ext.store.checksum import Checksum
 
-ALIGN = 64  # bytes: slices and sub-blocks start on cache lines
+# bytes: slices, sub-blocks, the tier boundary and the AOR replica's regions start on
+# cache lines (the copy and XOR kernels' non-temporal stores want aligned destinations)
+ALIGN = 64
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's storage (no copy)."""
+    """Flat uint8 view of a contiguous tensor of any dtype and device (never copies:
+    writes through the view reach the tensor; autograd does not see them)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_contiguous():
-        raise ValueError("snapshot tensors must be contiguous")
-    return t.detach().reshape(-1).view(torch.uint8)
+        raise ValueError("tensor must be contiguous to be viewed as bytes (call .contiguous())")
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.view(torch.uint8)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - xxhash is a declared dependency
 
 CHUNK = 4 << 20
 DEFAULT = "xxh3_64/4M" if xxhash is not None else "crc32/4M"
+FLAT = "xxh3_64" if xxhash is not None else "crc32"  # one pass, no chunking (AOR)
 ALGORITHMS = ("xxh3_64/4M", "crc32/4M", "xxh3_64", "crc32")
 
 
@@ -105,3 +106,11 @@ class Checksum:
 
 def checksum(piece, algorithm: str = DEFAULT) -> int:
     return Checksum(algorithm).update(piece).value
+
+
+def checksum_all(pieces, algorithm: str = FLAT) -> int:
+    """One checksum over the pieces laid end to end (uint8 CPU tensors or bytes)."""
+    c = Checksum(algorithm)
+    for p in pieces:
+        c.update(p)
+    return c.value

@@ -1,7 +1,7 @@
 """Named POSIX shared-memory segments that outlive the training process.
 
-A segment is a file ``<base>/reft-<job_id>/<name>`` on a tmpfs (default base:
-``$REFT_SHM_DIR`` or ``/dev/shm``), directory mode 0700, file mode 0600,
+A segment is a file ``<base>/reft-<job_id>/<name>`` on a tmpfs (reft_ext/store/paths.py;
+default base: ``$REFT_SHM_DIR`` or ``/dev/shm``), directory mode 0700, file mode 0600,
 created with O_CREAT|O_EXCL so two writers never share one by accident.  It is
 mapped MAP_SHARED and exposed as a zero-copy torch tensor; after the process
 dies (even by SIGKILL) the bytes stay in the page cache of the tmpfs and a new
@@ -28,17 +28,16 @@ import errno
 import logging
 import mmap
 import os
-import re
 import stat
 
 import numpy as np
 import torch
 
 from reft_ext import _native
+from reft_ext.store.paths import check_name as _check_name
+from reft_ext.store.paths import job_dir
 
 log = logging.getLogger("reft")
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 class ShmSpaceError(OSError):
@@ -52,20 +51,6 @@ class ShmDirError(PermissionError):
     """The job's shared-memory directory is not this user's private directory."""
 
     __str__ = ShmSpaceError.__str__
-
-
-def default_base_dir() -> str:
-    return os.environ.get("REFT_SHM_DIR") or "/dev/shm"
-
-
-def job_dir(job_id: str, base_dir: str | None = None) -> str:
-    _check_name(job_id, "job_id")
-    return os.path.join(base_dir or default_base_dir(), f"reft-{job_id}")
-
-
-def _check_name(s: str, what: str) -> None:
-    if not isinstance(s, str) or not _NAME_RE.match(s):
-        raise ValueError(f"{what} {s!r} must match {_NAME_RE.pattern} (no '/', no leading '.')")
 
 
 def _free_bytes(path: str) -> int:

@@ -33,8 +33,10 @@ import os
 import numpy as np
 import torch
 
+from reft_ext.store.atomic import write_atomic
 from reft_ext.store.checksum import checksum
-from reft_ext.store.shm import ShmSegment, job_dir
+from reft_ext.store.paths import domain, job_dir
+from reft_ext.store.shm import ShmSegment
 
 
 # ---- small metadata as JSON (RNG states, counters, scheduler) ------------------------
@@ -112,22 +114,12 @@ def read_sealed(path: str) -> tuple[dict | None, str | None]:
     return obj, None
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class SnapshotStore:
     def __init__(self, job_id: str, node: int, rank: int, base_dir: str, slots: int = 2):
         if slots < 2:
             raise ValueError("a snapshot store needs >= 2 slots (one committed, one written)")
         self.slots = tuple(range(slots))
-        self.job = f"{job_id}-node{node}"
+        self.job = domain(job_id, node)  # the failure domain's segment namespace
         self.base_dir, self.rank = base_dir, rank
         self.dir = job_dir(self.job, base_dir)
         self._segs: dict[int, ShmSegment] = {}
@@ -150,7 +142,9 @@ class SnapshotStore:
             self._reported.add((path, why))
             from reft_ext.save.snapshotter import reft_print  # (snapshot imports this module)
 
-            reft_print(f"rank {self.rank}: {path} {why}: {what}")
+            reft_print(f"rank {self.rank}: {path} {why}: {what}", event="untrusted_file",
+                       rank=self.rank, path=path, why=why,
+                       kind="commit_pointer" if path.endswith(".committed") else "manifest")
         return obj
 
     # ---- writing --------------------------------------------------------------
@@ -192,14 +186,18 @@ class SnapshotStore:
             self._segment(slot, nbytes)
 
     def _segment(self, slot: int, nbytes: int) -> ShmSegment:
-        seg = self._segs.get(slot)
-        name = self._name(slot, "bin")
+        return self._open(slot, self._name(slot, "bin"), nbytes)
+
+    def _open(self, key, fname: str, nbytes: int) -> ShmSegment:
+        """This rank's segment ``fname``, attached (after a restart) or created, and grown
+        to ``nbytes``; kept open under ``key``."""
+        seg = self._segs.get(key)
         if seg is None:
-            if ShmSegment.exists(self.job, name, base_dir=self.base_dir):
-                seg = ShmSegment.attach(self.job, name, base_dir=self.base_dir)
+            if ShmSegment.exists(self.job, fname, base_dir=self.base_dir):
+                seg = ShmSegment.attach(self.job, fname, base_dir=self.base_dir)
             else:
-                seg = ShmSegment.create(self.job, name, max(nbytes, 1), base_dir=self.base_dir)
-            self._segs[slot] = seg
+                seg = ShmSegment.create(self.job, fname, max(nbytes, 1), base_dir=self.base_dir)
+            self._segs[key] = seg
         if seg.nbytes < nbytes:
             seg.resize(nbytes)
         return seg
@@ -207,26 +205,17 @@ class SnapshotStore:
     def buffer(self, name: str, nbytes: int) -> torch.Tensor:
         """A named extra segment of this rank in the failure domain (e.g. the live AOR
         replica), created or attached and grown to ``nbytes``."""
-        seg = self._segs.get(name)
-        fname = f"rank{self.rank}.{name}.bin"
-        if seg is None:
-            if ShmSegment.exists(self.job, fname, base_dir=self.base_dir):
-                seg = ShmSegment.attach(self.job, fname, base_dir=self.base_dir)
-            else:
-                seg = ShmSegment.create(self.job, fname, max(nbytes, 1), base_dir=self.base_dir)
-            self._segs[name] = seg
-        if seg.nbytes < nbytes:
-            seg.resize(nbytes)
-        return seg.tensor(torch.uint8, 0, nbytes)
+        return self._open(name, f"rank{self.rank}.{name}.bin", nbytes).tensor(torch.uint8, 0,
+                                                                              nbytes)
 
     def finish(self, slot: int, manifest: dict) -> None:
         """The slot is complete on this rank (not yet job-wide)."""
-        _write_atomic(self._path(self._name(slot, "json")), sealed(manifest))
+        write_atomic(self._path(self._name(slot, "json")), sealed(manifest), durable=True)
 
     def commit(self, slot: int, iteration: int) -> None:
         """Every rank finished this iteration's snapshot: it is the one to keep."""
-        _write_atomic(self._path(f"rank{self.rank}.committed"),
-                      sealed({"slot": slot, "iteration": iteration}))
+        write_atomic(self._path(f"rank{self.rank}.committed"),
+                     sealed({"slot": slot, "iteration": iteration}), durable=True)
 
     def discard_newer(self, iteration: int) -> None:
         """A rollback to ``iteration``: snapshots after it are dropped (their manifests go,

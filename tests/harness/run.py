@@ -1,6 +1,6 @@
 """Run the real trainer (or a worker script) under real torchrun on loopback and parse what
-it prints ([HASH], [LOSSES], [FAULT] lines). Shared by every test; fixtures are in
-tests/conftest.py."""
+it prints ([HASH], [LOSSES] lines) and the REFT events it records (tests/harness/events.py).
+Shared by every test; fixtures are in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
+
+from tests.harness import events as ev
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # worker scripts and tools import the repository's packages (tests.harness, tools) too
@@ -24,15 +27,25 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
         "--log-params-hash", "--log-loss-history"]
 
+# Every test's parallel layouts, by name (the name says the 4-rank job; the DP size is
+# what the ranks leave). reference_runs shares failure-free runs by command line, so one
+# table keeps the tests of every file on the same flags.
 LAYOUTS = {
-    "tp2pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-               "--global-batch-size", "8"],
-    "pp2dp2-zero1": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                     "--global-batch-size", "8"],
+    # non-distributed optimizer: the whole state is replicated across DP
+    "pp2dp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
+    "tp2dp2": ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"],
     "dp4": ["--global-batch-size", "8"],
+    "tp2pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--global-batch-size", "8"],  # TP2 x PP2 x DP(ranks / 4)
     "pp2-interleaved": ["--pipeline-model-parallel-size", "2",
                         "--num-layers-per-virtual-pipeline-stage", "1",
-                        "--global-batch-size", "8"],
+                        "--global-batch-size", "8"],  # PP2 x DP2, 2 chunks per stage
+    # ZeRO-1: optimizer shards are owned state, saved whole by their owner
+    "pp2dp2-zero1": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                     "--global-batch-size", "8"],
+    "tp2dp2-zero1": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                     "--global-batch-size", "8"],
+    "dp4-zero1": ["--use-distributed-optimizer", "--global-batch-size", "8"],
 }
 
 
@@ -43,14 +56,28 @@ class RunResult:
     hashes: dict = field(default_factory=dict)   # rank -> sha256 of the whole state
     losses: dict = field(default_factory=dict)   # iteration -> loss (float.hex)
     iteration: int | None = None
+    events: ev.Events = field(default_factory=ev.Events)  # what REFT recorded, in order
 
     def check(self):
         assert self.returncode == 0, self.output[-6000:]
         return self
 
+    def events_of(self, event: str, **match) -> list[dict]:
+        """``result.events_of("recovered", rank=2)``: see Events.of."""
+        return self.events.of(event, **match)
 
-def parse(output: str, returncode: int) -> RunResult:
+
+def events_file(directory: str | None = None) -> str:
+    """A new, empty file for one run's events (the run's processes append to it)."""
+    fd, path = tempfile.mkstemp(prefix="reft-events-", suffix=".jsonl", dir=directory)
+    os.close(fd)
+    return path
+
+
+def parse(output: str, returncode: int, events_path: str | None = None) -> RunResult:
     res = RunResult(returncode, output)
+    if events_path:
+        res.events = ev.load(events_path)
     for m in re.finditer(r"\[HASH\] rank (\d+) iteration (\d+) state ([0-9a-f]+)", output):
         res.hashes[int(m.group(1))] = m.group(3)
         res.iteration = int(m.group(2))
@@ -67,17 +94,22 @@ def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int
            os.path.join(REPO, script), *args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", **ENV_PATH)
     full_env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    events = events_file()
+    full_env[ev.ENV] = events
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun timed out after {timeout} s:\n{out[-6000:]}")
-    try:  # nothing a test started may outlive it
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return parse(out, proc.returncode)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+            out, _ = proc.communicate()
+            raise AssertionError(f"torchrun timed out after {timeout} s:\n{out[-6000:]}")
+        try:  # nothing a test started may outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return parse(out, proc.returncode, full_env[ev.ENV])
+    finally:
+        os.unlink(events)

@@ -6,15 +6,11 @@ state, every loss) to the run without failures."""
 
 import pytest
 
-from tests.harness.run import TINY, torchrun
-from tests.integration.test_reft_recovery import _same_as_reference
+from tests.harness.compare import same_as_reference
+from tests.harness.recovery import (N, PARITY, REPLICA, assert_persistent_fallback,
+                                    assert_recovered)
+from tests.harness.run import LAYOUTS, TINY, torchrun
 
-N = ["--train-iters", "6"]
-LAYOUTS = {
-    "pp2dp2-zero1": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                     "--global-batch-size", "8"],
-    "dp4-zero1": ["--use-distributed-optimizer", "--global-batch-size", "8"],
-}
 # sharding groups: pp2dp2 [0, 1] [2, 3]; dp4 [0, 1, 2, 3]. Member d-1 holds member d's
 # ARC replica and AOR replica.
 HOLDER = {"pp2dp2-zero1": {2: 3, 1: 0}, "dp4-zero1": {2: 1, 1: 0}}
@@ -35,14 +31,14 @@ def test_lost_nodes_restore_optimizer_shards_from_aor(layout, protect, reference
     for rank in (2, 1):
         assert f"[FAULT] injecting SIGKILL into rank {rank} (pid" in out
         assert f"[FAULT] wiped failure domain {rank}" in out
-    slices = "ARC replica" if protect.startswith("arc") else "AEC parity"
+    slices = REPLICA if protect.startswith("arc") else PARITY
     for rank, it in ((2, 2), (1, 4)):
-        assert (f"[REFT] recovered iteration {it} on rank {rank} from {slices}, optimizer "
-                f"shard from the AOR replica on rank {HOLDER[layout][rank]}") in out, out[-3000:]
+        assert_recovered(run.events, it, {rank: slices}, aor_from=HOLDER[layout])
     # the final attempt verified every replica after every step: no mismatch
-    assert "[REFT] aor: 8 replica verifications over 4 ranks, 0 mismatches" in out
+    checks = run.events.one("aor_checks")
+    assert (checks["verifications"], checks["ranks"], checks["mismatches"]) == (8, 4, 0), checks
     assert "MISMATCH" not in out
-    _same_as_reference(run, ref, first_after=5)
+    same_as_reference(run, ref, first_after=5)
 
 
 @pytest.mark.slow
@@ -59,7 +55,8 @@ def test_without_aor_a_lost_zero1_shard_falls_back(tmp_path, reference_runs):
         "--inject-fault", "2:4:KILL:node"], max_restarts=1).check()
     assert "[FAULT] injecting SIGKILL into rank 2 (pid" in run.output
     assert "[FAULT] wiped failure domain 2" in run.output
-    assert ("ranks [2] lost their ZeRO-1 optimizer shards (no host replica without "
-            "--reft-protect aor)") in run.output
-    assert f"[REFT] recovered iteration 2 from the persistent checkpoint {save}" in run.output
-    _same_as_reference(run, ref, first_after=3)
+    assert any("ranks [2] lost their ZeRO-1 optimizer shards (no host replica without "
+               "--reft-protect aor)" in e["reason"]
+               for e in run.events_of("recovery_impossible")), run.events.names()
+    assert_persistent_fallback(run.events, 2, save)
+    same_as_reference(run, ref, first_after=3)

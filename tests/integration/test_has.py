@@ -5,13 +5,12 @@ unchanged by them, and the Chrome trace covers every rank and iteration."""
 import json
 import re
 
-from tests.harness.run import TINY, torchrun
+from tests.harness.run import LAYOUTS, TINY, torchrun
 
 REFT = ["--reft-snapshot-every", "1", "--reft-ranks-per-node", "1"]
-PP2DP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+PP2DP2 = LAYOUTS["pp2dp2"]
 ITERS = 6
-ZERO1 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-         "--global-batch-size", "8"]  # test_reft_recovery.LAYOUTS["pp2dp2-zero1"]
+ZERO1 = LAYOUTS["pp2dp2-zero1"]
 
 
 def _checks(run, nranks):
@@ -70,4 +69,5 @@ def test_interleaved_has_and_host_thread_match_end_of_iteration_with_trace(tmp_p
                                                            "snapshot-compute", "snapshot-drain"}
     waits = [e for e in events if e["cat"] == "p2p-wait"]
     assert {e["pid"] for e in waits} == {0, 1, 2, 3}
-    assert "[REFT] trace of 4 ranks written to" in has.output
+    written = has.events.one("trace")
+    assert (written["ranks"], written["path"]) == (4, str(trace)), written

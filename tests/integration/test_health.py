@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
+from tests.harness import scenarios
+from tests.harness.recovery import assert_persistent_fallback
 from tests.harness.run import TINY, parse, torchrun
-from tests.harness.nodes import launcher
+from tests.harness.nodes import events, launcher, wait_for_event
 from reft_ext.cluster import status
 from reft_ext.config import ReftConfigError
 from reft_ext.cluster.health import (ALLGATHER, MATMUL, HealthReport, Failure, judge, matmul_check,
@@ -101,7 +103,7 @@ def _report(nodes, bad, restarts=1):
 ])
 def test_shrink_decision(argv, restarts, expect, monkeypatch):
     from megatron.training.arguments import parse_args
-    from megatron.training.reft_health import shrink_plan
+    from megatron.training.reft_integration import shrink_plan
 
     monkeypatch.delenv("REFT_MIN_NODES", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -113,7 +115,7 @@ def test_shrink_decision(argv, restarts, expect, monkeypatch):
 
 def test_arc_cannot_shrink_to_one_replica(monkeypatch):
     from megatron.training.arguments import parse_args
-    from megatron.training.reft_health import shrink_plan
+    from megatron.training.reft_integration import shrink_plan
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     args = parse_args(TINY + ["--reft-snapshot-every", "1", "--reft-protect", "arc",
@@ -131,19 +133,25 @@ def _offer(old_rank, have, protection="arc", iters=(4,)):
 def test_reshard_plan_from_the_survivors_slices():
     """Old group [0, 1, 2] (ARC), old rank 1 excluded: old rank 0 holds slices 0 and 1
     (own, replica), old rank 2 holds 2 and 0; they are new ranks 0 and 1."""
+    from reft_ext.load.errors import (MissingHandover, NoRestorableIteration,
+                                      PersistentIsNewer)
     from reft_ext.load.reshard import plan_reshard
 
     both = [_offer(0, {0: "own", 1: "redundancy"}, iters=(3, 4)),
             _offer(2, {2: "own", 0: "redundancy"}, iters=(3, 4))]
     assert plan_reshard(both, [[0, 1]], None) == (4, {0: [0, 0, 1]})
-    assert plan_reshard(both, [[0, 1]], 6)[1] == ("the persistent checkpoint (iteration 6) "
-                                                  "is newer than host memory (iteration 4)")
-    it, why = plan_reshard([_offer(0, {0: "own"}, "none"), _offer(2, {2: "own"}, "none")],
-                           [[0, 1]], None)
-    assert it is None and "the slices of old ranks [1] (sharding group [0, 1, 2]) left " \
-        "with the excluded node(s) and no survivor holds a copy (--reft-protect none)" in why
-    assert plan_reshard([both[0], None], [[0, 1]], None) == \
-        (None, "ranks [1] have no note of their place in the old job")
+    with pytest.raises(PersistentIsNewer, match=r"^the persistent checkpoint \(iteration 6\) "
+                       r"is newer than host memory \(iteration 4\)$"):
+        plan_reshard(both, [[0, 1]], 6)
+    with pytest.raises(NoRestorableIteration) as e:
+        plan_reshard([_offer(0, {0: "own"}, "none"), _offer(2, {2: "own"}, "none")],
+                     [[0, 1]], None)
+    assert "the slices of old ranks [1] (sharding group [0, 1, 2]) left " \
+        "with the excluded node(s) and no survivor holds a copy (--reft-protect none)" \
+        in str(e.value)
+    with pytest.raises(MissingHandover, match=r"^ranks \[1\] have no note of their place "
+                       r"in the old job$"):
+        plan_reshard([both[0], None], [[0, 1]], None)
 
 
 def test_handover_note_is_read_once(tmp_path):
@@ -234,33 +242,44 @@ def test_elastic_shrink_after_a_crash(zero1, tmp_path):
                                    "--reft-inject-health-failure", "1:matmul:1"]
     with launcher(3, 1, args, tmp_path, min_nodes=2) as L:
         L.start()
-        L.wait_for(r"\[REFT\] health: excluding node", node=1, timeout=80)
+        wait_for_event(L, "shrink", rank=1, timeout=80)  # node 1's one rank
         bad = status.read(L.cfg.shm_dir, L.job_id, 1)
         codes = L.wait(90)
         out = L.outputs()
         L.cleanup_shm()
+    run = parse(out, 0)
+    run.events = events(L)
     assert "[FAULT] injecting SIGKILL into rank 0" in out
     assert "[FAULT] node 1 (rank 1) made to fail the matmul health check on attempt 1" in out
+    # every rank of the job of 3 found node 1 bad, and each node's log says so
+    failed = {e["rank"]: e["failures"] for e in run.events_of("health", ok=False)}
+    assert sorted(failed) == [0, 1, 2], run.events_of("health")
+    for failures in failed.values():
+        assert [(f["node"], f["check"]) for f in failures] == [(1, "matmul")], failures
+        assert failures[0]["reason"].startswith("rank 1: max error"), failures
     line = "[REFT] health: node 1 (ranks [1]) failed the matmul check: rank 1: max error"
     assert all(line in L.output(n) for n in range(3)), out[-4000:]
-    assert "excluding node(s) [1]: the job goes on with 2 of 3 nodes (2 ranks, " \
-           "--reft-min-nodes 2): data-parallel size 3 -> 2" in out
+    shrinks = run.events_of("shrink")
+    assert shrinks and all(e["nodes"] == [1] and e["reason"].startswith(
+        "the job goes on with 2 of 3 nodes (2 ranks, --reft-min-nodes 2): data-parallel "
+        "size 3 -> 2") for e in shrinks), shrinks
     assert bad["state"] == "UNHEALTHY" and "failed the health check" in bad["detail"]
     assert codes[0] == 0 and codes[2] == 0 and codes[1] != 0, (codes, out[-4000:])
-    assert "[REFT] health: 2 node(s) passed" in out
+    assert any(len(e["nodes"]) == 2 for e in run.events_of("health", ok=True))
     if zero1:
-        assert "resharding from host memory after the shrink not possible: ZeRO-1 " in out
-        assert "host memory holds snapshots of a job of 3 ranks (data-parallel size 3), " \
-               "this job has 2 ranks (data-parallel size 2)" in out
+        assert any(e["reason"].startswith("ZeRO-1 ")
+                   for e in run.events_of("reshard_impossible")), run.events.names()
+        assert any("host memory holds snapshots of a job of 3 ranks (data-parallel size 3), "
+                   "this job has 2 ranks (data-parallel size 2)" in e["reason"]
+                   for e in run.events_of("recovery_impossible")), run.events.names()
         assert "from data-parallel size 3 to 2" in out
-        assert f"[REFT] recovered iteration 4 from the persistent checkpoint {save}" in out
+        assert_persistent_fallback(run.events, 4, save)
     else:
         for rank, old in ((0, 0), (1, 2)):
-            assert f"[REFT] resharded iteration 4 from host memory on rank {rank} (rank " \
-                   f"{old} of the old job, sharding group [0, 1, 2] -> [0, 1]: 3 old " \
-                   f"slices from ranks [0, 0, 1])" in out, out[-4000:]
-        assert "from the persistent checkpoint" not in out
-    run = parse(out, 0)
+            e = run.events.one("resharded", rank=rank)
+            assert (e["iteration"], e["old_rank"], e["old_group"], e["group"],
+                    e["providers"]) == (4, old, [0, 1, 2], [0, 1], [0, 0, 1]), e
+        assert not run.events_of("recovered_persistent")
     assert run.iteration == 8 and sorted(run.losses) == [5, 6, 7, 8]
     # new rank r is data-parallel rank r of the DP-2 job (old ranks 0 and 2, as logged
     # above), as in the reference: each rank's whole state and every later loss, exactly
@@ -269,29 +288,6 @@ def test_elastic_shrink_after_a_crash(zero1, tmp_path):
     assert not re.search(r"iteration\s+[1-4]/", out.split("excluding node(s) [1]")[-1])
 
 
-CANNOT_SHRINK = [  # (--min-nodes, why the job stops); tests/test_under_load.py too
-    (0, "the launch is not elastic: start it with torchrun --nnodes MIN:2 and "
-        "--reft-min-nodes MIN (tools/launch_nodes.py --min-nodes MIN)"),
-    (1, "the layout cannot shrink to 1 ranks: --reft-protect: arc needs data-parallel "
-        "size >= 2")]
-
-
-@pytest.mark.parametrize("min_nodes,expect", CANNOT_SHRINK)
+@pytest.mark.parametrize("min_nodes,expect", scenarios.CANNOT_SHRINK)
 def test_failed_node_stops_a_job_that_cannot_shrink(min_nodes, expect, tmp_path):
-    """Node 1 fails at start-up; without elasticity (or without a valid smaller layout)
-    every node's agent is stopped: no restart, no training, one clear line per rank."""
-    args = TINY + ["--global-batch-size", "8", "--train-iters", "4"] + REFT + [
-        "--reft-inject-health-failure", "1"]
-    with launcher(2, 1, args, tmp_path, min_nodes=min_nodes) as L:
-        L.start()
-        codes = L.wait(180)  # a net for a stuck job: 8 s alone, 50 s on a shared host
-        out = L.outputs()
-        bad = status.read(L.cfg.shm_dir, L.job_id, 1)
-        L.cleanup_shm()
-    assert "[FAULT] node 1 (rank 1) made to fail the matmul health check on attempt 0" in out
-    msg = ("[REFT] health: error: node(s) [1] failed the health check and the job cannot go "
-           f"on without them: {expect}")
-    assert out.count(msg) == 2 and out.count("Stopping the job.") == 2, out[-4000:]
-    assert all(c != 0 for c in codes.values()) and not re.search(r"iteration\s+1/", out)
-    assert out.count("made to fail") == 1   # stopped, not restarted
-    assert bad["state"] == "UNHEALTHY"
+    scenarios.failed_node_stops_a_job_that_cannot_shrink(min_nodes, expect, tmp_path)

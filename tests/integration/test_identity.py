@@ -21,10 +21,10 @@ def _reft(job, *extra):
 
 def test_another_run_with_the_same_job_id_is_refused_and_the_same_run_resumes():
     job = f"ident-{uuid.uuid4().hex[:8]}"
-    base = TINY + LAYOUTS["pp2dp2-zero1"][:2] + ["--global-batch-size", "8"]
+    base = TINY + LAYOUTS["pp2dp2"]
     try:
         first = torchrun(4, base + N + _reft(job, "--reft-keep-snapshots")).check()
-        assert "[REFT] snapshot iteration 3" in first.output
+        assert first.events_of("snapshot", iteration=3)
         other = torchrun(4, base + ["--train-iters", "5", "--seed", "7"] + _reft(job))
         assert other.returncode != 0
         assert ("error: --reft-job-id: host memory (/dev/shm/reft-" + job) in other.output
@@ -36,7 +36,7 @@ def test_another_run_with_the_same_job_id_is_refused_and_the_same_run_resumes():
                            ["--reft-protect", "aec"])  # the later flag wins
         assert "reft_protect 'arc' there, 'aec' here" in changed.output
         same = torchrun(4, base + ["--train-iters", "5"] + _reft(job)).check()
-        assert "[REFT] recovered iteration 3 on rank 0 from own memory" in same.output
+        assert same.events_of("recovered", iteration=3, rank=0, source="own")
         assert f"run {run_id} (first started" in same.output  # the same run, carried on
     finally:
         for d in os.listdir("/dev/shm"):

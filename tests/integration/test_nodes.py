@@ -7,44 +7,19 @@ import re
 
 import pytest
 
-from tests.harness.run import TINY
-from tests.harness.nodes import finish, launcher, stop_then_lose
-from tests.integration.test_reft_recovery import _same_as_reference
-
-N = ["--train-iters", "6"]
-# 2 nodes x 2 ranks: TP pairs inside a node, sharding groups [0, 2] [1, 3] across nodes
-TP2DP2 = ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"]
-ZERO1 = TP2DP2 + ["--use-distributed-optimizer"]
-# 4 nodes x 1 rank: sharding groups [0, 1] [2, 3]
-PP2DP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+from tests.harness import scenarios
+from tests.harness.compare import same_as_reference
+from tests.harness.nodes import events, finish, launcher, stop_then_lose
+from tests.harness.recovery import N, OWN, assert_persistent_fallback, reft
+from tests.harness.run import LAYOUTS, TINY
 
 
-def reft(protect):
-    return ["--reft-snapshot-every", "1", "--reft-protect", protect]
-
-
+# 2 nodes x 2 ranks (tp2dp2): TP pairs inside a node, sharding groups [0, 2] [1, 3] across
+# nodes; 4 nodes x 1 rank (pp2dp2): sharding groups [0, 1] [2, 3]
 @pytest.mark.parametrize("protect,layout", [
-    ("arc", TP2DP2), pytest.param("aec,aor", ZERO1, marks=pytest.mark.slow)])
+    ("arc", "tp2dp2"), pytest.param("aec,aor", "tp2dp2-zero1", marks=pytest.mark.slow)])
 def test_node_loss_and_replacement(protect, layout, tmp_path, reference_runs):
-    """Node 1 (ranks 2, 3) is lost at iteration 4 and replaced: its slices come back from
-    its peers' redundancy (and its ZeRO-1 shards from their AOR replicas)."""
-    key = "nodes-" + ("zero1" if layout is ZERO1 else "tp2dp2")
-    ref = reference_runs(key, 4, TINY + N + layout)
-    with launcher(2, 2, TINY + N + layout + reft(protect) +
-                  ["--inject-fault", "2:4:STOP"], tmp_path) as L:
-        L.start()
-        stop_then_lose(L, rank=2, nodes=[1])
-        run = finish(L).check()
-    out = run.output
-    assert "[FAULT] injecting SIGSTOP into rank 2" in out
-    source = "ARC replica" if protect == "arc" else (
-        "AEC parity, optimizer shard from the AOR replica on rank {}")
-    for rank, holder in ((2, 0), (3, 1)):
-        assert f"[REFT] recovered iteration 3 on rank {rank} from " \
-               f"{source.format(holder)}" in out, out[-3000:]
-    for rank in (0, 1):
-        assert f"[REFT] recovered iteration 3 on rank {rank} from own memory" in out
-    _same_as_reference(run, ref, 4)
+    scenarios.node_loss_and_replacement(protect, layout, tmp_path, reference_runs)
 
 
 @pytest.mark.slow
@@ -52,23 +27,21 @@ def test_two_node_losses_in_one_group_fall_back_to_persistent(tmp_path, referenc
     """Nodes 0 and 1 (the whole sharding group [0, 1]) are lost together at iteration 5:
     arc cannot rebuild two slices of one group, the log says so, and the job resumes from
     the persistent checkpoint of iteration 4 (the work since it is redone)."""
-    ref = reference_runs("pp2dp2", 4, TINY + N + PP2DP2)
+    ref = reference_runs("pp2dp2", 4, TINY + N + LAYOUTS["pp2dp2"])
     save = str(tmp_path / "ckpt")
-    with launcher(4, 1, TINY + N + PP2DP2 + reft("arc") + [
+    with launcher(4, 1, TINY + N + LAYOUTS["pp2dp2"] + reft("arc", None) + [
             "--save", save, "--load", save, "--save-interval", "2",
             "--inject-fault", "0:5:STOP"], tmp_path) as L:
         L.start()
         stop_then_lose(L, rank=0, nodes=[0, 1])
         run = finish(L).check()
-    out = run.output
-    assert "[REFT] recovery from host memory not possible: iteration 4: sharding group " \
-           "[0, 1] lost the slices of ranks [0, 1], more than --reft-protect arc can " \
-           "rebuild" in out
-    assert f"[REFT] recovered iteration 4 from the persistent checkpoint {save}" in out
-    _same_as_reference(run, ref, 5)
+    assert_persistent_fallback(run.events, 4, save, reason=(
+        "iteration 4: sharding group [0, 1] lost the slices of ranks [0, 1], more than "
+        "--reft-protect arc can rebuild"))
+    same_as_reference(run, ref, 5)
 
 
-DP2 = ["--global-batch-size", "8"]
+DP2 = LAYOUTS["dp4"]  # on 2 ranks: DP 2
 
 
 def test_sigterm_flushes_and_a_fresh_job_resumes_from_it(tmp_path, reference_runs):
@@ -82,8 +55,8 @@ def test_sigterm_flushes_and_a_fresh_job_resumes_from_it(tmp_path, reference_run
     n8 = ["--train-iters", "8"]
     ref = reference_runs("nodes-dp2", 2, TINY + n8 + DP2)
     save = str(tmp_path / "ckpt")
-    args = TINY + n8 + DP2 + reft("arc") + ["--reft-schedule", "end-of-iteration",
-                                             "--save", save, "--save-interval", "100"]
+    args = TINY + n8 + DP2 + reft("arc", None) + ["--reft-schedule", "end-of-iteration",
+                                                   "--save", save, "--save-interval", "100"]
     with launcher(2, 1, args, tmp_path, job_id=f"pre-{tmp_path.name[-12:]}") as L:
         L.start()
         L.wait_for(r"iteration\s+3/", timeout=90)
@@ -92,15 +65,15 @@ def test_sigterm_flushes_and_a_fresh_job_resumes_from_it(tmp_path, reference_run
         assert min(live[n]["iteration"] for n in (0, 1)) >= 2
         L.terminate()
         out = L.outputs()
+        flushed = events(L).of("flushed")
         final = status.read_job(L.cfg.shm_dir, L.job_id)
         shown = table(L.cfg.shm_dir, L.job_id)
         L.cleanup_shm()  # the new job starts on empty host memory
     logged = max(int(i) for i in re.findall(r"iteration\s+(\d+)/", out))
     # each node's newest flushed snapshot (the SIGTERM may land between the two ranks'
-    # snapshots of one iteration: node 0 flushes [3, 4], node 1 [3])
-    newest = {int(n): max(int(x) for x in its.split(", ")) for n, its in re.findall(
-        r"\[REFT\] flushed node (\d)'s snapshots \(ranks \[\d\], iterations \[([\d, ]+)\]",
-        out)}
+    # snapshots of one iteration: node 0 flushes [3, 4], node 1 [3]); one rank per node
+    assert all(e["ranks"] == [e["node"]] and e["iterations"] for e in flushed), flushed
+    newest = {e["node"]: max(e["iterations"]) for e in flushed}
     assert sorted(newest) == [0, 1] and min(newest.values()) >= logged, \
         (newest, logged, out[-3000:])
     assert [r["state"] for r in final] == ["UNHEALTHY", "UNHEALTHY"], final
@@ -110,14 +83,13 @@ def test_sigterm_flushes_and_a_fresh_job_resumes_from_it(tmp_path, reference_run
     # each rank imports its node's newest; the job resumes the newest iteration committed
     # job-wide (an iteration one node finished alone was never committed): no completed
     # iteration lost, both ranks the same
-    recovered = {int(r): int(i) for i, r in re.findall(
-        r"\[REFT\] recovered iteration (\d+) on rank (\d) from own memory", run.output)}
+    recovered = {e["rank"]: e["iteration"] for e in run.events_of("recovered", source=OWN)}
     it = recovered.get(0)
     assert recovered == {0: it, 1: it} and logged <= it <= min(newest.values()), \
         (recovered, newest, logged)
-    for r in (0, 1):
-        assert (f"[REFT] rank {r}: host memory had nothing newer than the flushed snapshot "
-                f"of iteration {newest[r]}") in run.output
+    for r in (0, 1):  # node r's rank r
+        assert run.events_of("imported_flushed", rank=r, iteration=newest[r]), \
+            run.events_of("imported_flushed")
     assert run.hashes == ref.hashes
     assert sorted(run.losses)[0] == it + 1 and max(run.losses) == 8
     assert all(run.losses[i] == ref.losses[i] for i in run.losses)

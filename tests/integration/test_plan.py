@@ -18,8 +18,9 @@ from reft_ext.plan.cli import main
 from reft_ext.plan.hardware import HardwareConfig
 from reft_ext.plan.model import ModelConfig, ParallelConfig
 from reft_ext.plan.planner import Plan, SnapshotConfig
-from reft_ext.plan.presets import MODEL_PRESETS, llama_ffn_hidden_size
+from reft_ext.plan.presets import MODEL_PRESETS, fill_model_shape, llama_ffn_hidden_size
 from reft_ext.plan.state import rank_tensors
+from reft_ext.store.paths import node_glob
 
 SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
@@ -45,7 +46,7 @@ def test_planner_matches_real_snapshot_manifests(tmp_path):
     report = plan(SHAPE + LAYOUT + ["--data-parallel-size", "2", "--gpus-per-node", "1"])
     p = report.plan
     assert p.placement_error is None
-    manifests = sorted(glob.glob(str(shm / f"reft-{job}-node*" / "rank*.slot*.json")))
+    manifests = sorted(glob.glob(os.path.join(node_glob(str(shm), job), "rank*.slot*.json")))
     assert len(manifests) == 8  # 4 ranks x 2 slots (iterations 1 and 2)
     planned = {r["rank"]: r for r in report.to_dict()["ranks"]}
     for path in manifests:
@@ -68,9 +69,10 @@ def test_presets_are_shared_with_the_trainer():
     from megatron.training import arguments
 
     assert arguments.MODEL_PRESETS is MODEL_PRESETS
-    for h in [64, 128, 2048, 2560, 4096, 5120, 8192]:
-        assert llama_ffn_hidden_size(h) == arguments.llama_ffn_hidden_size(h)
-    assert llama_ffn_hidden_size(4096) == 11008  # Llama-2-7B
+    assert arguments.fill_model_shape is fill_model_shape  # one resolution of --model-size
+    # 2/3 of 4h rounded up to 256: Llama-2-7B's 11008, and the widths of the other presets
+    assert [llama_ffn_hidden_size(h) for h in [64, 2048, 2560, 4096, 8192]] == \
+        [256, 5632, 6912, 11008, 22016]
 
 
 def test_34b_state_is_sized_on_meta_tensors():

@@ -9,32 +9,11 @@ import sys
 
 import pytest
 
-from tests.harness.run import LAYOUTS as SHARED_LAYOUTS
-from tests.harness.run import REPO, TINY, parse, torchrun
-
-LAYOUTS = {  # non-distributed optimizer: the whole state is replicated across DP
-    "pp2dp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
-    "tp2dp2": ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"],
-    "dp4": ["--global-batch-size", "8"],
-    # ZeRO-1: optimizer shards are owned state, saved whole by their owner
-    "pp2dp2-zero1": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                     "--global-batch-size", "8"],
-    # the same flags as conftest's (its failure-free runs are shared by command line)
-    "tp2pp2": SHARED_LAYOUTS["tp2pp2"],  # TP2 x PP2 x DP(ranks / 4)
-    "pp2-interleaved": SHARED_LAYOUTS["pp2-interleaved"],  # PP2 x DP2, 2 chunks per stage
-}
-N = ["--train-iters", "6"]
-
-
-def reft(protect):
-    return ["--reft-snapshot-every", "1", "--reft-protect", protect,
-            "--reft-ranks-per-node", "1"]
-
-
-def _same_as_reference(run, ref, first_after):
-    assert run.hashes == ref.hashes
-    assert sorted(run.losses)[0] == first_after and max(run.losses) == 6
-    assert all(run.losses[i] == ref.losses[i] for i in run.losses)
+from tests.harness import events as ev
+from tests.harness.compare import same_as_reference
+from tests.harness.recovery import (N, OWN, PARITY, REPLICA, assert_persistent_fallback,
+                                    assert_recovered, reft)
+from tests.harness.run import LAYOUTS, REPO, TINY, events_file, parse, torchrun
 
 
 # The fault fires after ITER's passes and after before_optimizer_step, which under has and
@@ -43,17 +22,17 @@ def _same_as_reference(run, ref, first_after):
 RECOVERED = {"has": (2, 4), "host-thread": (2, 4), "end-of-iteration": (2, 4)}
 
 
-def _assert_schedule_ran(output, schedule):
-    """Rank 0's snapshot lines name the schedule that copied them (has/host-thread report
+def _assert_schedule_ran(run, schedule):
+    """Rank 0's snapshot events name the schedule that copied them (has/host-thread report
     their tiers; end-of-iteration copies inline and reports none)."""
-    lines = [ln for ln in output.splitlines() if "[REFT] snapshot iteration" in ln]
-    assert lines, output[-3000:]
-    threaded = [ln for ln in lines if " B in bubbles" in ln]
+    snaps = run.events_of("snapshot")
+    assert snaps, run.output[-3000:]
+    threaded = [e for e in snaps if e["tiers"] is not None]
     if schedule == "end-of-iteration":
-        assert not threaded, threaded[0]
+        assert not threaded and all(e["schedule"] is None for e in snaps), snaps
     else:
-        assert len(threaded) == len(lines), lines
-        assert all(f", {schedule}: " in ln for ln in lines), lines
+        assert len(threaded) == len(snaps), snaps
+        assert all(e["schedule"] == schedule for e in snaps), snaps
 
 
 # all in `make test-all`: the default tier has the same crash + lost node under has in
@@ -79,22 +58,18 @@ def test_crash_then_node_loss(layout, protect, schedule, tmp_path, reference_run
     assert "[FAULT] injecting SIGKILL into rank 1 (pid" in run.output
     assert "[FAULT] wiped failure domain 2" in run.output
     assert "[FAULT] injecting SIGKILL into rank 2 (pid" in run.output
-    _assert_schedule_ran(run.output, schedule)
+    _assert_schedule_ran(run, schedule)
     crash, lost = RECOVERED[schedule]
-    for r in range(4):
-        assert f"[REFT] recovered iteration {crash} on rank {r} from own memory" in run.output
+    assert_recovered(run.events, crash, {r: OWN for r in range(4)})
     if protect == "none":
-        assert f"[REFT] recovery from host memory not possible: iteration {lost}: sharding " \
-               f"group " in run.output and "lost the slices of ranks [2]" in run.output
-        assert f"[REFT] recovered iteration {lost} from the persistent checkpoint {save}" \
-            in run.output
+        assert_persistent_fallback(run.events, lost, save,
+                                   reason=f"iteration {lost}: sharding group ")
+        assert any("lost the slices of ranks [2]" in e["reason"]
+                   for e in run.events_of("recovery_impossible"))
     else:
-        source = {"arc": "ARC replica", "aec": "AEC parity"}[protect]
-        assert f"[REFT] recovered iteration {lost} on rank 2 from {source}" in run.output
-        for r in (0, 1, 3):
-            assert f"[REFT] recovered iteration {lost} on rank {r} from own memory" \
-                in run.output
-    _same_as_reference(run, ref, lost + 1)
+        source = {"arc": REPLICA, "aec": PARITY}[protect]
+        assert_recovered(run.events, lost, {2: source, 0: OWN, 1: OWN, 3: OWN})
+    same_as_reference(run, ref, lost + 1)
 
 
 def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
@@ -106,19 +81,23 @@ def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
     ref = reference_runs(layout, 4, TINY + N + LAYOUTS[layout])
     ref_log = tmp_path / "reference.log"
     ref_log.write_text(ref.output)
+    events = events_file(str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
     demo = subprocess.run(
         [sys.executable, "tools/demo.py", "--run-dir", str(tmp_path / "demo"),
          "--nproc", "4", "--compare", str(ref_log), "--", *TINY, *N, *LAYOUTS[layout],
          *reft("arc,aor"), "--inject-fault", "1:3,2:5:KILL:node:1"],
-        cwd=REPO, capture_output=True, text=True, timeout=400,
-        env={k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"})
+        cwd=REPO, capture_output=True, text=True, timeout=400, env={**env, ev.ENV: events})
     out = demo.stdout
     assert demo.returncode == 0, out[-4000:] + demo.stderr[-2000:]
-    run = parse((tmp_path / "demo" / "train.log").read_text(), demo.returncode)
+    run = parse((tmp_path / "demo" / "train.log").read_text(), demo.returncode, events)
     assert "[FAULT] injecting SIGKILL into rank 1 (pid" in run.output
     assert "[FAULT] wiped failure domain 2" in run.output
-    for r in range(4):
-        assert f"[REFT] recovered iteration 2 on rank {r} from own memory" in run.output
+    assert_recovered(run.events, 2, {r: OWN for r in range(4)})
+    # the job-wide record of each recovery: what served it (the digest below says it too)
+    assert [(e["iteration"], e["source"]) for e in run.events_of("recovery")] == \
+        [(2, "own memory"), (4, "ARC replica + AOR replica")]
+    assert_recovered(run.events, 4, {2: REPLICA}, aor_from={2: 3})
     assert "- crash: SIGKILL to rank 1 in iteration 3" in out
     assert "REFT-load: iteration 2 from own memory in" in out
     assert "- lost node: SIGKILL to rank 2 in iteration 5" in out
@@ -128,7 +107,7 @@ def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
             in run.output)
     assert "recoveries: 1 from own memory, 1 from ARC replica + AOR replica;" in run.output
     assert "bit-identical to the failure-free run" in out
-    _same_as_reference(run, ref, 5)
+    same_as_reference(run, ref, 5)
 
 
 def test_lost_node_dp4_aec_decodes_from_three_parities(reference_runs):
@@ -136,8 +115,8 @@ def test_lost_node_dp4_aec_decodes_from_three_parities(reference_runs):
     run = torchrun(4, TINY + N + LAYOUTS["dp4"] + reft("aec") +
                    ["--inject-fault", "2:5:KILL:node"], max_restarts=1).check()
     assert "[FAULT] wiped failure domain 2" in run.output
-    assert "[REFT] recovered iteration 4 on rank 2 from AEC parity" in run.output
-    _same_as_reference(run, ref, 5)
+    assert_recovered(run.events, 4, {2: PARITY})
+    same_as_reference(run, ref, 5)
 
 
 def test_two_lost_members_fall_back_to_persistent(tmp_path, reference_runs):
@@ -147,11 +126,10 @@ def test_two_lost_members_fall_back_to_persistent(tmp_path, reference_runs):
         "--save", save, "--load", save, "--save-interval", "2",
         "--inject-fault", "0:5:KILL:node,1:5:KILL:node"], max_restarts=1).check()
     assert run.output.count("[FAULT] wiped failure domain") == 2
-    assert "[REFT] recovery from host memory not possible: iteration 4: sharding group " \
-           "[0, 1] lost the slices of ranks [0, 1], more than --reft-protect arc can " \
-           "rebuild" in run.output
-    assert f"[REFT] recovered iteration 4 from the persistent checkpoint {save}" in run.output
-    _same_as_reference(run, ref, 5)
+    assert_persistent_fallback(run.events, 4, save, reason=(
+        "iteration 4: sharding group [0, 1] lost the slices of ranks [0, 1], more than "
+        "--reft-protect arc can rebuild"))
+    same_as_reference(run, ref, 5)
 
 
 def test_kill_during_snapshot_never_loads_torn_state(reference_runs):
@@ -163,9 +141,8 @@ def test_kill_during_snapshot_never_loads_torn_state(reference_runs):
     assert "during its snapshot write" in run.output
     # rank 2's torn slot is never read, and iteration 5 was never committed (the commit
     # needs every rank): whatever the others had finished, the job goes back to 4
-    for r in range(4):
-        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
-    _same_as_reference(run, ref, 5)
+    assert_recovered(run.events, 4, {r: OWN for r in range(4)})
+    same_as_reference(run, ref, 5)
 
 
 def test_flipped_byte_is_caught_and_replica_used(reference_runs):
@@ -173,8 +150,8 @@ def test_flipped_byte_is_caught_and_replica_used(reference_runs):
     run = torchrun(4, TINY + N + LAYOUTS["pp2dp2"] + reft("arc") +
                    ["--inject-fault", "1:5:KILL:corrupt"], max_restarts=1).check()
     assert "[FAULT] flipped a byte of rank 1's snapshot of iteration 4" in run.output
-    assert "[REFT] recovered iteration 4 on rank 1 from ARC replica" in run.output
-    _same_as_reference(run, ref, 5)
+    assert_recovered(run.events, 4, {1: REPLICA})
+    same_as_reference(run, ref, 5)
 
 
 @pytest.mark.slow
@@ -189,12 +166,11 @@ def test_flipped_byte_loaded_while_verified_is_overwritten(tmp_path, reference_r
         "--save", save, "--load", save, "--save-interval", "2",
         "--inject-fault", "1:5:KILL:corrupt"], max_restarts=1).check()
     assert "[FAULT] flipped a byte of rank 1's snapshot of iteration 4" in run.output
-    assert "[REFT] recovered iteration 4 on rank 1 from ARC replica" in run.output
+    assert_recovered(run.events, 4, {1: REPLICA})
     for r in (0, 2, 3):  # their own slots were restored in the verifying pass
-        line = next(ln for ln in run.output.splitlines()
-                    if f"[REFT] recovered iteration 4 on rank {r} from own memory" in ln)
-        assert "verify+load+agree" in line, line
-    _same_as_reference(run, ref, 5)
+        e = run.events_of("recovered", iteration=4, rank=r, source=OWN)[0]
+        assert e["verify_load"], e
+    same_as_reference(run, ref, 5)
 
 
 # ---- the layouts and dtypes the tests above do not cover (make test-all) ---------------
@@ -209,12 +185,11 @@ def test_lost_node_tp2pp2dp2_arc(reference_runs):
                    max_restarts=1).check()
     assert "[FAULT] wiped failure domain 5" in run.output
     assert "[FAULT] injecting SIGKILL into rank 5 (pid" in run.output
-    assert ("[REFT] recovered iteration 4 on rank 5 from ARC replica (group [5, 7]: 1 "
-            "slice(s) rebuilt)") in run.output
-    for r in (0, 1, 2, 3, 4, 6, 7):
-        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
+    five = run.events.one("recovered", iteration=4, rank=5, source=REPLICA)
+    assert (five["group"], five["rebuilt"], five["aor_from"]) == ([5, 7], 1, None), five
+    assert_recovered(run.events, 4, {r: OWN for r in (0, 1, 2, 3, 4, 6, 7)})
     assert sorted(run.hashes) == list(range(8))
-    _same_as_reference(run, ref, 5)
+    same_as_reference(run, ref, 5)
 
 
 @pytest.mark.slow
@@ -227,10 +202,8 @@ def test_lost_node_interleaved_pp2_arc(reference_runs):
                    ["--inject-fault", "2:5:KILL:node"], max_restarts=1).check()
     assert "[FAULT] wiped failure domain 2" in run.output
     assert "[FAULT] injecting SIGKILL into rank 2 (pid" in run.output
-    assert "[REFT] recovered iteration 4 on rank 2 from ARC replica" in run.output
-    for r in (0, 1, 3):
-        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
-    _same_as_reference(run, ref, 5)
+    assert_recovered(run.events, 4, {2: REPLICA, 0: OWN, 1: OWN, 3: OWN})
+    same_as_reference(run, ref, 5)
 
 
 @pytest.mark.slow
@@ -244,8 +217,5 @@ def test_lost_node_bf16_zero1_arc_aor(reference_runs):
                    ["--inject-fault", "2:5:KILL:node"], max_restarts=1).check()
     assert "[FAULT] wiped failure domain 2" in run.output
     assert "[FAULT] injecting SIGKILL into rank 2 (pid" in run.output
-    assert ("[REFT] recovered iteration 4 on rank 2 from ARC replica, optimizer shard from "
-            "the AOR replica on rank 3") in run.output
-    for r in (0, 1, 3):
-        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
-    _same_as_reference(run, ref, 5)
+    assert_recovered(run.events, 4, {2: REPLICA, 0: OWN, 1: OWN, 3: OWN}, aor_from={2: 3})
+    same_as_reference(run, ref, 5)

@@ -13,6 +13,7 @@ import pytest
 from reft_ext.cluster import status
 from reft_ext.cluster import watcher
 from reft_ext.load.flushed import import_flushed
+from reft_ext.store.paths import node_dir
 from reft_ext.store.slots import SnapshotStore
 
 from tools.launch_nodes import LaunchConfig, LaunchError
@@ -82,7 +83,7 @@ def test_import_flushed_only_when_newer_than_memory(tmp_path):
 def _spawned_watcher(tmp_path, job, flush):
     d = str(tmp_path)
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    _fake_slot(os.path.join(d, f"reft-{job}-node0"), 0, 0, 3, b"x" * 32)
+    _fake_slot(node_dir(d, job, 0), 0, 0, 3, b"x" * 32)
     pid = watcher.spawn(d, job, 0, [worker.pid], flush)
     assert status.watcher_pid(d, job, 0) == pid
     return d, worker
@@ -115,7 +116,7 @@ def test_watcher_does_nothing_after_a_normal_end(tmp_path):
 
 def test_watcher_reports_offline_when_memory_is_gone(tmp_path):
     d, worker = _spawned_watcher(tmp_path, "w3", str(tmp_path / "flush"))
-    shutil.rmtree(os.path.join(d, "reft-w3-node0"))
+    shutil.rmtree(node_dir(d, "w3", 0))
     worker.kill()
     worker.wait()
     _wait_gone(d, "w3")

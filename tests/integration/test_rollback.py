@@ -5,18 +5,18 @@ Each run must end bit-identical (state hash per rank, every loss) to a run witho
 fault that skipped the same global batches from the start (--skip-train-batches), and
 the skipped samples are the ones logged."""
 
-import re
-
 import pytest
 
+from tests.harness.recovery import reft
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
 ITERS = ["--train-iters", "14"]
 
 
-def reft(protect):
-    return ["--reft-snapshot-every", "1", "--reft-protect", protect,
-            "--reft-ranks-per-node", "1"]
+def _rollback(e: dict) -> tuple:
+    """What a rollback event says, but the time it took."""
+    return (e["spike"], e["iteration"], e["skip_batches"], e["samples"], e["count"],
+            e["limit"], e["window"])
 
 
 def _same(run, ref):
@@ -44,14 +44,11 @@ def test_spike_then_nan_with_zero1_roll_back_and_skip(tmp_path):
            "iteration 10" in out
     assert "[FAULT] spike: rank 2's gradients made NaN before the optimizer step of " \
            "iteration 12" in out
-    assert re.search(r"\[REFT\] rollback: grad norm spike: .* at iteration 10 -> iteration "
-                     r"8 restored from host memory in [\d.]+ ms; skipped 2 global batch\(es\): "
-                     r"samples 64-79; rollback 1 of at most 3 within 20 iterations", out), \
-        out[-5000:]
-    assert re.search(r"\[REFT\] rollback: non-finite grad norm \(nan\) at iteration 12 -> "
-                     r"iteration 10 restored from host memory in [\d.]+ ms; skipped 2 global "
-                     r"batch\(es\): samples 96-111; rollback 2 of at most 3", out), out[-5000:]
-    assert out.count("[REFT] rollback:") == 2
+    spike, nan = run.events_of("rollback")  # these two, no other
+    assert spike["reason"].startswith("grad norm spike: ") and \
+        _rollback(spike) == (10, 8, 2, [64, 79], 1, 3, 20), spike
+    assert nan["reason"] == "non-finite grad norm (nan)" and \
+        _rollback(nan)[:6] == (12, 10, 2, [96, 111], 2, 3), nan
     assert "removed persistent checkpoint(s) iter_0000009 of" in out
     assert out.index("removed persistent checkpoint(s) iter_0000009") > \
         out.index("saved checkpoint at iteration       8")
@@ -73,7 +70,7 @@ def test_nan_on_one_rank_tp2pp2_rolls_back(schedule, reference_runs):
                                              "--inject-spike", "3:10:nan"]).check()
     assert "[FAULT] spike: rank 3's gradients made NaN before the optimizer step of " \
            "iteration 10" in run.output
-    assert re.search(r"\[REFT\] rollback: non-finite grad norm \(nan\) at iteration 10 -> "
-                     r"iteration 8 restored from host memory in [\d.]+ ms; skipped 1 global "
-                     r"batch\(es\): samples 64-71", run.output), run.output[-5000:]
+    nan = run.events.one("rollback")
+    assert nan["reason"] == "non-finite grad norm (nan)" and \
+        _rollback(nan)[:4] == (10, 8, 1, [64, 71]), nan
     _same(run, ref)

@@ -1,5 +1,5 @@
 """The example Slurm scripts (examples/slurm, examples/frontier) run on this host through
-stand-ins for sbatch, srun, scontrol and module (tests/slurm_standin/standin.py): their
+stand-ins for sbatch, srun, scontrol and module (tests/harness/slurm_standin/standin.py): their
 own logic runs unchanged (rendezvous host from scontrol, one srun task per node, torchrun
 with the c10d rendezvous, spares, restarts, the REFT flags, the job's verdict), only the
 model, layout and data are swapped for the tiny CPU ones through the scripts' documented

@@ -23,12 +23,11 @@ import time
 
 import pytest
 
-from tests.integration import test_hang
-from tests.integration import test_health
-from tests.integration import test_nodes
-from tests.harness.run import REPO
+from tests.harness import events as ev
+from tests.harness import scenarios
 from reft_ext.cluster import status
 from reft_ext.cluster import watcher
+from reft_ext.store.paths import node_dir
 
 from tools import launch_nodes
 
@@ -74,29 +73,27 @@ def test_agents_pick_the_workers_port_so(tmp_path, monkeypatch):
 def test_health_check_stops_the_job_under_load(cpu_hog, tmp_path):
     """The job of the reported failure: its first attempt must be the one that fails the
     check (the [FAULT] line of attempt 0), not one ended by anything else."""
-    test_health.test_failed_node_stops_a_job_that_cannot_shrink(
-        *test_health.CANNOT_SHRINK[0], tmp_path)
+    scenarios.failed_node_stops_a_job_that_cannot_shrink(*scenarios.CANNOT_SHRINK[0], tmp_path)
 
 
 @pytest.mark.slow
 def test_frozen_rank_is_killed_under_load(cpu_hog, tmp_path, reference_runs):
     """Only the frozen rank is named, T seconds after it froze, and the job recovers
     bit-identical: the busy ranks around it are not blamed."""
-    test_hang.test_frozen_rank_is_killed_and_the_job_recovers(tmp_path, reference_runs)
+    scenarios.frozen_rank_is_killed_and_the_job_recovers(tmp_path, reference_runs)
 
 
 @pytest.mark.slow
-def test_stopped_rank_is_killed_at_the_timeout_under_load(cpu_hog, tmp_path, capfd):
+def test_stopped_rank_is_killed_at_the_timeout_under_load(cpu_hog, tmp_path):
     """A stopped rank waits for no CPU: the discount does not delay its detection."""
-    test_hang.test_watcher_kills_a_stopped_rank_not_its_waiting_peer(tmp_path, capfd)
+    scenarios.watcher_kills_a_stopped_rank_not_its_waiting_peer(tmp_path)
 
 
 @pytest.mark.slow
 def test_node_loss_and_replacement_under_load(cpu_hog, tmp_path, reference_runs):
     """A node lost and replaced (a new agent, a new rendezvous round, REFT-load from the
     peers' ARC replicas) ends bit-identical to the failure-free run."""
-    test_nodes.test_node_loss_and_replacement("arc", test_nodes.TP2DP2, tmp_path,
-                                              reference_runs)
+    scenarios.node_loss_and_replacement("arc", "tp2dp2", tmp_path, reference_runs)
 
 
 # ---- the hang monitor on a busy host: real processes, the real watcher -----------------
@@ -131,32 +128,33 @@ _RANK = textwrap.dedent("""
 
 def _rank(node_dir, rank, spin, phase_s=0.0):
     p = subprocess.Popen([sys.executable, "-c", _RANK.format(
-        repo=REPO, node_dir=node_dir, rank=rank, spin=spin, phase_s=phase_s)],
+        node_dir=node_dir, rank=rank, spin=spin, phase_s=phase_s)],
         stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     return p
 
 
 @pytest.mark.slow
-def test_starved_rank_is_not_hung_a_spinning_one_is(cpu_hog, tmp_path, capfd):
+def test_starved_rank_is_not_hung_a_spinning_one_is(cpu_hog, tmp_path):
     """Timeout 1 s. Rank 0 computes for 4 s between two beats but, at nice 19 beside the
     busy loops, gets less than half a second of CPU in them: busy, not hung, never killed.
     Rank 1 spins without a beat: it gets the CPU time to show progress and shows none, so
     it is killed, with the time it waited for a CPU said and not counted."""
     d, job, T = str(tmp_path), "load", 1.0
-    dirs = [os.path.join(d, f"reft-{job}-node{n}") for n in (0, 1)]
+    dirs = [node_dir(d, job, n) for n in (0, 1)]
     for x in dirs:
         os.makedirs(x)
     busy, spin = _rank(dirs[0], 0, False, phase_s=4 * T), _rank(dirs[1], 1, True)
     try:
         t0 = time.time()
-        watcher.spawn(d, job, 0, [busy.pid], "", ranks=[0], hang_timeout=T)
-        watcher.spawn(d, job, 1, [spin.pid], "", ranks=[1], hang_timeout=T)
+        with scenarios.events_env(tmp_path) as events:
+            watcher.spawn(d, job, 0, [busy.pid], "", ranks=[0], hang_timeout=T)
+            watcher.spawn(d, job, 1, [spin.pid], "", ranks=[1], hang_timeout=T)
         assert spin.wait(timeout=60) == -signal.SIGKILL
         took = time.time() - t0
         out, _ = busy.communicate(timeout=120)
         # finished, not SIGKILLed
-        assert busy.returncode == 0, (busy.returncode, capfd.readouterr().out)
+        assert busy.returncode == 0, (busy.returncode, ev.load(events))
     finally:
         for p in (busy, spin):
             p.kill()
@@ -165,14 +163,11 @@ def test_starved_rank_is_not_hung_a_spinning_one_is(cpu_hog, tmp_path, capfd):
     assert wall >= 4 * T and cpu < T / 2, f"{out}: the host was not busy, nothing shown"
     assert took >= T, took
     assert status.wait_watchers(d, job, 20)
-    logs = capfd.readouterr().out
-    assert re.findall(r"\[REFT\] hang: rank (\d+)", logs) == ["1"], logs
-    line = re.search(r"\[REFT\] hang: rank 1 .*", logs).group(0)
-    assert f"pid {spin.pid}, node 1) made no progress for " in line and \
-        "while computing, last completed iteration 7" in line, line
-    starved = float(re.search(r"; ([0-9.]+) s of it waiting for a CPU, not counted",
-                              line).group(1))
-    silent = float(re.search(r"no progress for ([0-9.]+) s", line).group(1))
-    assert T - 0.15 <= silent - starved < T + 1.5, line  # each said to 0.1 s
+    hang = ev.load(events).one("hang")  # rank 1's, not rank 0's
+    assert (hang["rank"], hang["pid"], hang["node"], hang["state"], hang["iteration"]) == \
+        (1, spin.pid, 1, "computing", 7), hang
+    # the time it waited for a CPU was said (the line says it from 0.05 s) and not counted
+    starved, silent = hang["starved_s"], hang["silent_s"]
+    assert starved >= 0.05 and T - 0.15 <= silent - starved < T + 1.5, hang  # each to 0.1 s
     # rank 0's watcher judged it to the end: its worker died (exited), no hang
     assert status.read(d, job, 0)["detail"].startswith(f"worker(s) [{busy.pid}] died")

@@ -15,9 +15,13 @@ import uuid
 
 import pytest
 
-from tests.harness.run import REPO, TINY, torchrun
-from tests.integration.test_reft_recovery import LAYOUTS, N, _same_as_reference, reft
+from tests.harness import events as ev
+from tests.harness.compare import same_as_reference
+from tests.harness.recovery import (N, OWN, REPLICA, assert_persistent_fallback,
+                                    assert_recovered, reft)
+from tests.harness.run import LAYOUTS, REPO, TINY, torchrun
 
+from reft_ext.store.paths import node_dir
 from reft_ext.store.shm import ShmDirError, ShmSegment, ShmSpaceError, ensure_private_dir
 from reft_ext.store.slots import SEAL, SnapshotStore
 
@@ -32,6 +36,14 @@ def _rewrite(path, **changes):
     obj.update(changes)
     with open(path, "w") as f:
         json.dump(obj, f)
+
+
+@pytest.fixture
+def events(tmp_path, monkeypatch):
+    """What this process records meanwhile: a function that reads it."""
+    path = str(tmp_path / "events.jsonl")
+    monkeypatch.setenv(ev.ENV, path)
+    return lambda: ev.load(path)
 
 
 @pytest.fixture
@@ -51,7 +63,7 @@ def _snapshot(st, iteration, commit=True):
 
 
 # ---- unit: the files' own checksums -------------------------------------------------
-def test_manifest_failing_its_checksum_is_a_torn_slot_reported_once(store, capsys):
+def test_manifest_failing_its_checksum_is_a_torn_slot_reported_once(store, events, capsys):
     s1, s2 = _snapshot(store, 1), _snapshot(store, 2)
     assert {s: m["iteration"] for s, m in store.manifests().items()} == {s1: 1, s2: 2}
     assert SEAL not in store.manifests()[s2] and store.committed() == {"slot": s2,
@@ -60,25 +72,28 @@ def test_manifest_failing_its_checksum_is_a_torn_slot_reported_once(store, capsy
     _rewrite(path, meta={"consumed": 16})  # valid JSON, one value changed
     assert set(store.manifests()) == {s2}
     assert set(store.manifests()) == {s2}
-    out = capsys.readouterr().out
-    assert out == (f"[REFT] rank 0: {path} fails its checksum (self_sha256): slot {s1} "
-                   f"treated as torn on this rank (peers' redundancy or the persistent "
-                   f"checkpoint replaces it)\n")  # one line, however often it is read
+    # one report (event and line), however often it is read: slot s1 is torn on rank 0
+    torn = events().one("untrusted_file")
+    assert (torn["rank"], torn["path"], torn["kind"], torn["why"]) == \
+        (0, path, "manifest", "fails its checksum (self_sha256)"), torn
+    assert len(capsys.readouterr().out.splitlines()) == 1
     with open(path, "w") as f:
         f.write('{"iteration": 1, "nbytes": 6')  # does not parse: torn too, said too
     assert set(store.manifests()) == {s2}
-    assert f"{path} does not parse as JSON: slot {s1} treated as torn" in capsys.readouterr().out
+    assert events().of("untrusted_file", path=path, kind="manifest",
+                       why="does not parse as JSON")
 
 
-def test_commit_pointer_failing_its_checksum_is_ignored(store, capsys):
+def test_commit_pointer_failing_its_checksum_is_ignored(store, events, capsys):
     _snapshot(store, 1), _snapshot(store, 2)
     newest = _snapshot(store, 3)  # the ring came round: slot 0 again
     pointer = os.path.join(store.dir, "rank0.committed")
     _rewrite(pointer, iteration=4)  # claims a snapshot nobody committed
     assert store.committed() is None
-    assert capsys.readouterr().out == (
-        f"[REFT] rank 0: {pointer} fails its checksum (self_sha256): commit pointer "
-        f"ignored on this rank (the newest commit of the other ranks decides)\n")
+    bad = events().one("untrusted_file")
+    assert (bad["rank"], bad["path"], bad["kind"], bad["why"]) == \
+        (0, pointer, "commit_pointer", "fails its checksum (self_sha256)"), bad
+    assert len(capsys.readouterr().out.splitlines()) == 1
     # without a readable pointer the next snapshot still spares the newest complete one
     assert store.begin(64)[0] != newest
 
@@ -96,16 +111,18 @@ def test_files_without_a_checksum_are_judged_as_before(store):
     assert store.committed() == {"slot": s1, "iteration": 1}
 
 
-def test_flushed_manifest_failing_its_checksum_is_not_imported(store, tmp_path, capsys):
+def test_flushed_manifest_failing_its_checksum_is_not_imported(store, tmp_path, events):
     from reft_ext.load.flushed import flushed_manifests
 
     s1 = _snapshot(store, 1)
     for ext in ("json", "bin"):
         shutil.copy(os.path.join(store.dir, f"rank0.slot{s1}.{ext}"), tmp_path)
     assert set(flushed_manifests(str(tmp_path), 0)) == {s1}
-    _rewrite(str(tmp_path / f"rank0.slot{s1}.json"), iteration=7)
+    path = str(tmp_path / f"rank0.slot{s1}.json")
+    _rewrite(path, iteration=7)
     assert flushed_manifests(str(tmp_path), 0) == {}
-    assert "fails its checksum (self_sha256): not used" in capsys.readouterr().out
+    assert events().of("untrusted_file", path=path, kind="flushed",
+                       why="fails its checksum (self_sha256)")
 
 
 def test_fault_modes_parse_and_the_unknown_mode_lists_them():
@@ -207,12 +224,11 @@ def test_corrupt_manifest_is_rebuilt_from_the_arc_replica(reference_runs):
                   r"(\S+/rank1\.slot(\d)\.json) of iteration 4 \(checksum kept\)", run.output)
     assert m, run.output[-4000:]
     assert "[FAULT] injecting SIGKILL into rank 1 (pid" in run.output
-    assert (f"[REFT] rank 1: {m.group(1)} fails its checksum (self_sha256): slot "
-            f"{m.group(2)} treated as torn on this rank") in run.output
-    assert "[REFT] recovered iteration 4 on rank 1 from ARC replica" in run.output
-    for r in (0, 2, 3):
-        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
-    _same_as_reference(run, ref, 5)
+    # the path names the slot (rank1.slot<N>.json): that slot is torn on rank 1
+    assert run.events_of("untrusted_file", rank=1, path=m.group(1), kind="manifest",
+                         why="fails its checksum (self_sha256)"), run.events.names()
+    assert_recovered(run.events, 4, {1: REPLICA, 0: OWN, 2: OWN, 3: OWN})
+    same_as_reference(run, ref, 5)
 
 
 @pytest.mark.slow
@@ -225,11 +241,10 @@ def test_corrupt_commit_pointer_is_ignored(reference_runs):
     m = re.search(r"\[FAULT\] changed rank 1's commit pointer (\S+/rank1\.committed): "
                   r"iteration 4 -> 5 \(checksum kept\)", run.output)
     assert m, run.output[-4000:]
-    assert (f"[REFT] rank 1: {m.group(1)} fails its checksum (self_sha256): commit pointer "
-            f"ignored on this rank") in run.output
-    for r in range(4):
-        assert f"[REFT] recovered iteration 4 on rank {r} from own memory" in run.output
-    _same_as_reference(run, ref, 5)
+    assert run.events_of("untrusted_file", rank=1, path=m.group(1), kind="commit_pointer",
+                         why="fails its checksum (self_sha256)"), run.events.names()
+    assert_recovered(run.events, 4, {r: OWN for r in range(4)})
+    same_as_reference(run, ref, 5)
 
 
 @pytest.mark.slow
@@ -241,14 +256,15 @@ def test_corrupt_manifest_without_protection_falls_back_to_persistent(tmp_path,
         "--save", save, "--load", save, "--save-interval", "2",
         "--inject-fault", "1:5:KILL:corrupt-manifest"], max_restarts=1).check()
     assert "[FAULT] changed consumed_train_samples 32 -> 40 in rank 1's manifest" in run.output
-    assert re.search(r"\[REFT\] rank 1: \S+/rank1\.slot\d\.json fails its checksum", run.output)
-    assert ("[REFT] recovery from host memory not possible: the persistent checkpoint "
-            "(iteration 4) is newer than host memory (iteration 3); iteration 4: sharding "
-            "group [0, 1] lost the slices of ranks [1], more than --reft-protect none can "
-            "rebuild") in run.output
-    assert f"[REFT] recovered iteration 4 from the persistent checkpoint {save}" in run.output
-    assert "[REFT] warning: --load" not in run.output  # the run's own checkpoint
-    _same_as_reference(run, ref, 5)
+    assert any(re.fullmatch(r"\S+/rank1\.slot\d\.json", e["path"]) and
+               e["why"].startswith("fails its checksum")
+               for e in run.events_of("untrusted_file", rank=1)), run.events.names()
+    assert_persistent_fallback(run.events, 4, save, reason=(
+        "the persistent checkpoint (iteration 4) is newer than host memory (iteration 3); "
+        "iteration 4: sharding group [0, 1] lost the slices of ranks [1], more than "
+        "--reft-protect none can rebuild"))
+    assert not run.events_of("identity_mismatch")  # the run's own checkpoint
+    same_as_reference(run, ref, 5)
 
 
 @pytest.mark.slow
@@ -268,12 +284,11 @@ def test_own_slice_and_its_replica_both_corrupt_fall_back_to_persistent(tmp_path
     assert "[FAULT] injecting SIGCONT into rank 0 (pid" in run.output
     assert "[FAULT] flipped a byte of rank 1's snapshot of iteration 4" in run.output
     assert "[FAULT] injecting SIGKILL into rank 1 (pid" in run.output
-    assert ("[REFT] recovery from host memory not possible: the persistent checkpoint "
-            "(iteration 4) is newer than host memory (iteration 2); iteration 4: sharding "
-            "group [0, 1] lost the slices of ranks [1], more than --reft-protect arc can "
-            "rebuild") in run.output
-    assert f"[REFT] recovered iteration 4 from the persistent checkpoint {save}" in run.output
-    _same_as_reference(run, ref, 5)
+    assert_persistent_fallback(run.events, 4, save, reason=(
+        "the persistent checkpoint (iteration 4) is newer than host memory (iteration 2); "
+        "iteration 4: sharding group [0, 1] lost the slices of ranks [1], more than "
+        "--reft-protect arc can rebuild"))
+    same_as_reference(run, ref, 5)
 
 
 DP2 = ["--train-iters", "3", "--global-batch-size", "4", "--reft-snapshot-every", "1",
@@ -284,7 +299,7 @@ DP2 = ["--train-iters", "3", "--global-batch-size", "4", "--reft-snapshot-every"
 @pytest.mark.skipif(not ROOT, reason="needs root to chown a directory to another user")
 def test_shm_dir_of_another_user_stops_the_job_before_training():
     job = f"owner-{uuid.uuid4().hex[:8]}"
-    d = f"/dev/shm/reft-{job}-node0"
+    d = node_dir("/dev/shm", job, 0)
     os.mkdir(d, 0o700)
     os.chown(d, 65534, 65534)
     try:
@@ -309,7 +324,7 @@ def test_changed_layout_or_failure_domains_are_refused():
     """Same --reft-job-id, same DP size: TP2xDP2 snapshots are not PP2xDP2 state, and
     snapshots cut for one rank per node are not those of two."""
     job = f"layout-{uuid.uuid4().hex[:8]}"
-    tp2 = ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"]
+    tp2 = LAYOUTS["tp2dp2"]
     base = ["--train-iters", "3", "--reft-snapshot-every", "1", "--reft-protect", "arc",
             "--reft-job-id", job]
     try:
@@ -347,10 +362,11 @@ def test_loading_another_runs_checkpoint_warns_and_loads(tmp_path):
     first = torchrun(1, TINY + ["--train-iters", "3", "--save", save]).check()
     other = torchrun(1, TINY + ["--train-iters", "4", "--load", save, "--seed", "7",
                                 "--global-batch-size", "4"]).check()
-    assert (f"[REFT] warning: --load {save}/iter_0000003 was saved by run "
-            f"{_run_id(first.output)} of other settings (global_batch_size 2 there, 4 here; "
-            f"seed 1234 there, 7 here): loading it as asked") in other.output
+    warned = other.events.one("identity_mismatch")
+    assert (warned["path"], warned["run"], warned["differences"]) == \
+        (f"{save}/iter_0000003", _run_id(first.output),
+         ["global_batch_size 2 there, 4 here", "seed 1234 there, 7 here"]), warned
     assert f"loaded checkpoint {save}/iter_0000003 at iteration 3" in other.output
     same = torchrun(1, TINY + ["--train-iters", "4", "--load", save]).check()
-    assert "[REFT] warning" not in same.output
+    assert not same.events_of("identity_mismatch")
     assert f"loaded checkpoint {save}/iter_0000003 at iteration 3" in same.output

@@ -1,5 +1,5 @@
 """The reliability model against a Monte-Carlo simulation of failures, and the cost
-estimator against FIELD.md's examples."""
+estimator against the field examples of docs/design.md."""
 
 import math
 
@@ -68,7 +68,7 @@ def test_goodput_matches_monte_carlo(q):
 
 
 def test_field_failure_arithmetic():
-    """FIELD.md: 0.1% per GPU-day -> 0.8% per 8-GPU node-day -> a 10,000-GPU job sees a
+    """docs/design.md: 0.1% per GPU-day -> 0.8% per 8-GPU node-day -> a 10,000-GPU job sees a
     failure on 99.99% of days."""
     cfg = ReliabilityConfig(node_failures_per_day=1 - 0.999 ** 8)
     assert math.isclose(cfg.node_failures_per_day, 0.008, rel_tol=0.01)

@@ -5,7 +5,7 @@ owner's reduced, clipped gradient. After every iteration the replica's checksum 
 compared with the owner's live shard (``AORTransport.verify``); at the end the owner's
 packed state is sent to its holder and compared byte for byte.
 
-Environment (set by tests/test_aor.py):
+Environment (set by tests/integration/test_aor.py):
   AOR_PERTURB="rank:iteration:mode"  on holder ``rank`` at ``iteration``: ``bit`` flips one
       bit of the replica's exp_avg_sq; ``lr`` applies that step with lr larger by a factor
       1 + 2**-20 (a few float32 ulps: a one-ulp change of the float64 lr usually vanishes
@@ -26,13 +26,14 @@ from megatron.core import parallel_state as mpu
 
 from megatron.training import optimizer_state
 from megatron.training.arguments import parse_args
+from megatron.training.hooks import TrainerHook
 from megatron.training.training import Trainer
 from reft_ext.protect.aor.replica import region
 from reft_ext.protect.aor.transport import AORTransport, new_aor_group
 from reft_ext.store.shm import ShmSegment
 
 
-class AORProbe:
+class AORProbe(TrainerHook):
     """Trainer hook: verify every iteration, optionally perturb one replica."""
 
     def __init__(self, trainer, perturb: str):

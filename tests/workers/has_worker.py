@@ -13,6 +13,7 @@ import sys
 import torch
 
 from megatron.training.arguments import parse_args
+from megatron.training.hooks import TrainerHook
 from megatron.training.training import Trainer
 from reft_ext.store.checksum import checksum
 
@@ -23,7 +24,7 @@ def _raw(tensors) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
-class Check:
+class Check(TrainerHook):
     def __init__(self, trainer):
         self.snap = trainer.reft.snap
         self.expected, self.compared, self.how = {}, 0, {"bubble": 0, "compute": 0,
@@ -61,7 +62,7 @@ class Check:
             out["aor"] = checksum(s.aor.replica.buffer)
         return out
 
-    def after_step(self, state):  # runs after ReftHook.after_step handed the copy over
+    def after_step(self, state):  # runs after the session's after_step handed the copy over
         self.expected[state.iteration] = self._reference()
         self._compare()
 
@@ -83,7 +84,7 @@ def main():
     args = parse_args(sys.argv[1:])
     trainer = Trainer(args)
     check = Check(trainer)
-    trainer.hooks.append(check)   # after ReftHook (inserted first)
+    trainer.hooks.append(check)   # after REFT's session (inserted first)
     trainer.train()
     print(f"[HAS-CHECK] rank {torch.distributed.get_rank()} identical {check.compared} "
           f"bubble {check.how['bubble']} compute {check.how['compute']} "

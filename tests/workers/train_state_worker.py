@@ -8,11 +8,12 @@ import sys
 import torch
 
 from megatron.training.arguments import parse_args
+from megatron.training.hooks import TrainerHook
 from megatron.training.train_state import params_hash
 from megatron.training.training import Trainer
 
 
-class Rollback:
+class Rollback(TrainerHook):
     def __init__(self, trainer):
         self.trainer, self.snap, self.first = trainer, None, None
 

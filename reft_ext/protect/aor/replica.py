@@ -24,19 +24,15 @@ the owner's torch optimizers, :class:`AORReplica` lives in a caller-provided uin
 from __future__ import annotations
 
 import threading
-import zlib
 from dataclasses import dataclass
 
 import torch
 from torch.optim.adam import adam as torch_adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-try:
-    import xxhash
-except ImportError:  # pragma: no cover - xxhash is a declared dependency
-    xxhash = None
+from reft_ext.state.layout import ALIGN, as_bytes
+from reft_ext.store.checksum import FLAT, checksum_all
 
-ALIGN = 64
 HEADER_MAGIC = 0x414F52  # "AOR"
 
 
@@ -109,16 +105,9 @@ class ShardSpec:
 
 
 def _checksum(pieces) -> int:
-    """xxh3-64 (crc32 without xxhash) of the concatenated bytes of CPU tensors."""
-    h = xxhash.xxh3_64() if xxhash is not None else None
-    crc = 0
-    for t in pieces:
-        buf = t.detach().contiguous().view(torch.uint8).numpy()
-        if h is not None:
-            h.update(buf)
-        else:
-            crc = zlib.crc32(buf, crc)
-    return h.intdigest() if h is not None else crc
+    """xxh3-64 (crc32 without xxhash) of the concatenated bytes of CPU tensors: owner and
+    holder compare these, so both sides use this one function."""
+    return checksum_all([as_bytes(t.detach().contiguous()) for t in pieces], FLAT)
 
 
 def _views(flat: torch.Tensor, numels) -> list:

@@ -228,3 +228,16 @@ class AORTransport:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def connect(dp_ranks: list[int], torch_optimizers, alloc) -> tuple[AORTransport, object]:
+    """This rank's AOR set-up (collective over the job): a dedicated gloo group per
+    sharding group, the owner's step hook, and the replica of member (d+1)'s shard in
+    ``alloc(nbytes)`` (the failure domain's shared memory). Returns the transport and
+    the spec of the shard held here (its ``nbytes`` size the "aor" region of every
+    snapshot)."""
+    group = new_aor_group(dp_ranks)
+    aor = AORTransport(torch_optimizers, group, alloc=alloc)
+    specs = [None] * len(dp_ranks)
+    dist.all_gather_object(specs, aor.owner.spec, group=group)
+    return aor, specs[aor.ranks.index(aor.owner_rank)]

@@ -1,125 +1,153 @@
-"""Thin call sites between the trainer and reft_ext: the state adapter, the snapshot hook
-and REFT-load at start-up."""
+"""REFT as a training loop sees it: one object, four hook methods and a few calls.
+
+A trainer builds a :class:`ReftSession` from a :class:`~reft_ext.config.ReftConfig` and a
+:class:`SessionAdapter` (its state split into replicated and owned tensors, its process
+groups; megatron/training/reft_integration.py has Megatron's), or a
+:class:`DisabledSession` when snapshots are off: same interface, nothing happens, so the
+loop never asks whether REFT is on. The call order of one process::
+
+    s.recover(persistent_iteration)        # start-up: host memory, flushed tier, reshard
+    s.on_start(state)                      # AOR replicas, heartbeat, node watcher
+    per iteration: s.before_optimizer_step(state); s.after_step(state)
+    with s.heartbeat_paused(): ...         # checkpoint saves, validation
+    s.pause_heartbeat(); s.on_exit(state); s.write_trace()
+
+``state`` is the trainer's loop state (:class:`LoopState`). This module is the only one
+of reft_ext that joins the pieces (save, load, cluster, report); it imports no trainer.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import json
 import math
 import os
-import shutil
 import time
+from typing import Protocol
 
 import torch
-from megatron.core import parallel_state as mpu
 
-from megatron.training import fault_injection, optimizer_state
-from megatron.training.train_state import TrainingState
-from megatron.training.utils import emit
-from reft_ext.config import ReftConfig, ReftConfigError
-from reft_ext.state.identity import refuse_other_runs
 from reft_ext.cluster import status as node_status
-from reft_ext.report import summary
-from reft_ext.load.rollback import RollbackConfig, RollbackError, SpikeDetector
+from reft_ext.config import ReftConfig
 from reft_ext.load.recover import recover
-from reft_ext.store.shm import ShmDirError, ensure_private_dir, job_dir
-from reft_ext.save.snapshotter import ReftSnapshotter, reft_print
-from reft_ext.store.slots import from_jsonable, to_jsonable
+from reft_ext.load.rollback import RollbackConfig, RollbackError, SpikeDetector
+from reft_ext.report import summary
+from reft_ext.report.events import emit as reft_emit, record
+from reft_ext.save.snapshotter import ReftSnapshotter, StateAdapter, reft_print
+from reft_ext.state.identity import refuse_other_runs
+from reft_ext.store.paths import node_dir
+from reft_ext.store.shm import ShmDirError, ensure_private_dir
 
 
-def _all_dp_groups() -> list[list[int]]:
-    """Every sharding group of the job (each rank knows the whole layout)."""
-    world = torch.distributed.get_world_size()
-    mine = torch.distributed.get_process_group_ranks(mpu.get_data_parallel_group())
-    gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, sorted(mine))
-    groups = []
-    for g in gathered:
-        if g not in groups:
-            groups.append(g)
-    return groups
+class SessionAdapter(StateAdapter, Protocol):
+    """The snapshotter's :class:`StateAdapter` plus what the session itself needs."""
+
+    global_batch_size: int   # samples per iteration (a rollback skips whole batches)
+
+    def identity(self) -> dict: ...  # what makes a state this run's (state/identity.py)
 
 
-class MegatronStateAdapter:
-    """REFT's view of a TrainingState: which tensors are replicated across the sharding
-    group (model params, and the optimizer state unless it is distributed) and which
-    are owned (ZeRO-1 shards), plus the small metadata."""
+class LoopState(Protocol):
+    """The trainer's state as the hook methods read it."""
 
-    def __init__(self, state: TrainingState, args):
-        self.state, self.args = state, args
-        self.ranks_per_node = ReftConfig.from_args(args).ranks_per_node  # (identity)
-        self.rank = torch.distributed.get_rank()
-        self.world_size = torch.distributed.get_world_size()
-        self.dp_group = mpu.get_data_parallel_group_gloo() or mpu.get_data_parallel_group()
-        self.dp_ranks = sorted(torch.distributed.get_process_group_ranks(self.dp_group))
-        self.all_dp_groups = _all_dp_groups()
-        self.control_group = torch.distributed.new_group(backend="gloo")
-        # what the HAS scheduler's 1F1B formula needs: (pp, vpp, micro-batches)
-        self.pipeline = (args.pipeline_model_parallel_size,
-                         args.virtual_pipeline_model_parallel_size or 1, args.num_microbatches)
-
-    def _split(self):
-        rep, own = [], []
-        for name, t in self.state.state_tensors():
-            if name.startswith("optim.") and self.args.use_distributed_optimizer:
-                own.append((name, t))
-            else:
-                rep.append((name, t))
-        return rep, own
-
-    def replicated_tensors(self):
-        return self._split()[0]
-
-    def owned_tensors(self):
-        return self._split()[1]
-
-    def torch_optimizers(self) -> list:
-        """The torch optimizers inside megatron's (chained) distributed optimizer."""
-        opt = self.state.optimizer
-        return [c.optimizer for c in getattr(opt, "chained_optimizers", [opt])]
-
-    def identity(self) -> dict:
-        """What makes a state this run's (reft_ext/state/identity.py): not the DP size, which an
-        elastic shrink changes."""
-        from megatron.training.checkpointing import run_identity
-
-        out = run_identity(self.args)  # + what makes host memory's layout this run's
-        out["reft_protect"] = getattr(self.args, "reft_protect", None)
-        out["reft_ranks_per_node"] = self.ranks_per_node
-        return out
-
-    def run_id(self) -> str | None:
-        return self.state.extra.get("run_id")
-
-    def get_meta(self) -> dict:
-        return self.state.metadata()
-
-    def set_meta(self, meta: dict) -> None:
-        self.state.load_metadata(meta)
+    iteration: int                 # iterations completed
+    consumed_train_samples: int    # the data position (a rollback moves it on)
+    extra: dict                    # small JSON part, in every snapshot (REFT's counters)
+    report: dict                   # this iteration's {"loss": ..., "grad_norm": ...}
 
 
-class ReftHook:
-    """after_step: snapshot; at start-up: recover; on exit: clean up shared memory."""
+class _Trace:
+    """The Chrome trace of ``--reft-trace-file`` (with or without snapshots)."""
 
-    def __init__(self, args, state: TrainingState, faults=(), events=None):
-        self.cfg = ReftConfig.from_args(args)
-        # a fresh optimizer has no Adam state yet: create it so the layout is final
-        optimizer_state.ensure_adam_state(state.optimizer)
-        self.adapter = MegatronStateAdapter(state, args)
+    def __init__(self, trace_file: str = "", events=None, trace_group=None):
+        self.trace_file, self.events, self.trace_group = trace_file, events, trace_group
+
+    def write_trace(self) -> None:
+        """Collective: every rank's events to rank 0, one Chrome trace file."""
+        if not self.trace_file or self.events is None:
+            return
+        from reft_ext.report.timeline import write_chrome_trace
+
+        tr = self.events.trace
+        world = torch.distributed.get_world_size()
+        gathered = [None] * world if tr.rank == 0 else None
+        torch.distributed.gather_object((tr.chrome_events(), tr.dropped), gathered, dst=0,
+                                        group=self.trace_group)
+        if tr.rank == 0:
+            write_chrome_trace(self.trace_file, [g[0] for g in gathered],
+                               sum(g[1] for g in gathered))
+            path = os.path.abspath(self.trace_file)
+            reft_emit("trace", f"trace of {world} ranks written to {path}", ranks=world,
+                      path=path)
+
+
+class DisabledSession(_Trace):
+    """REFT off (``--reft-snapshot-every 0``): the session's interface, doing nothing
+    (but the trace, which ``--reft-trace-file`` asks for without snapshots too)."""
+
+    enabled = False
+    snap = None
+
+    def recover(self, persistent_iteration: int | None) -> int | None:
+        return None
+
+    def count_recovery(self, tier: str) -> None:
+        pass
+
+    def recovered_from_checkpoint(self, path: str) -> None:
+        pass
+
+    def on_start(self, state) -> None:
+        pass
+
+    def before_optimizer_step(self, state) -> None:
+        pass
+
+    def after_step(self, state) -> None:
+        pass
+
+    def rollback(self, state, reason: str) -> None:
+        raise RollbackError(f"rollback ({reason}) needs --reft-snapshot-every >= 1")
+
+    def heartbeat_paused(self):
+        return contextlib.nullcontext()
+
+    def pause_heartbeat(self) -> None:
+        pass
+
+    def on_exit(self, state) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def summary(self, state) -> str:
+        return ""
+
+
+class ReftSession(_Trace):
+    """One rank's REFT: snapshots after each step, REFT-load at start-up, loss-spike
+    rollback, heartbeat and node watcher, clean-up and summary at the end."""
+
+    enabled = True
+
+    def __init__(self, cfg: ReftConfig, adapter: SessionAdapter, state: LoopState, *,
+                 events=None, trace_group=None, rollback: RollbackConfig | None = None,
+                 fused_load: bool = True):
+        """``fused_load``: REFT-load may write the newest slot into the model while it
+        verifies it (False when a persistent load that follows a failure would not
+        overwrite every byte, e.g. --no-load-optim; reft_ext/load/recover.py)."""
+        super().__init__(cfg.trace_file, events, trace_group)
+        self.cfg, self.adapter, self.state = cfg, adapter, state
         self._check_shm_dir()
-        self.snap = ReftSnapshotter(self.cfg, self.adapter, events)
-        self.faults = [f for f in faults if f.rank == self.adapter.rank]
-        if any(f.mode == "snapshot" for f in self.faults):
-            self.snap.fault = self._fault_in_snapshot
-        fault_injection.NODE_LOSS_CALLBACKS.append(self.wipe_node)
-        fault_injection.CORRUPT_CALLBACKS.append(self.corrupt)
-        self.heartbeat = None  # --reft-hang-timeout (reft_ext/cluster/heartbeat.py), from on_start
-        self.state = state
-        self.args = args
-        self.rollback_cfg = RollbackConfig.from_args(args)
+        self.snap = ReftSnapshotter(cfg, adapter, events)
+        self.heartbeat = None  # --reft-hang-timeout (reft_ext/cluster/heartbeat.py), on_start
+        self.fused_load = fused_load
+        self.rollback_cfg = rollback or RollbackConfig(rollback_on="off")
         self.detector = SpikeDetector(self.rollback_cfg)
         self._t_step: float | None = None
         self.iteration_s: list[float] = []  # this process's iteration times (summary)
+        self._closed = False
 
     def _check_shm_dir(self) -> None:
         """Before any segment exists: each rank's failure-domain directory must be this
@@ -127,7 +155,7 @@ class ReftHook:
         never written into). Job-wide, so every rank stops with the same one line
         instead of the others hanging in their next collective."""
         a = self.adapter
-        d = job_dir(f"{self.cfg.job_id}-node{self.cfg.node_of(a.rank)}", self.cfg.shm_dir)
+        d = node_dir(self.cfg.shm_dir, self.cfg.job_id, self.cfg.node_of(a.rank))
         try:
             ensure_private_dir(d)
             why = None
@@ -139,13 +167,19 @@ class ReftHook:
         if why:
             raise ShmDirError(errno.EACCES, why)
 
-    def recover(self, persistent_iteration):
+    # ---- start-up ------------------------------------------------------------------
+    def recover(self, persistent_iteration: int | None) -> int | None:
+        """Collective. The iteration restored from host memory (or the flushed tier, or
+        resharded after a shrink) into the trainer's state, or None: the trainer loads
+        its persistent checkpoint instead (``persistent_iteration``, newer wins)."""
         # another run's snapshots (same --reft-job-id, other seed/model/data...): refuse
         # job-wide before anything is read or imported
         why = refuse_other_runs(self.snap.store, self.cfg.flush_dir, self.adapter.identity(),
                                 self.adapter.control_group)
         if why:
-            raise ReftConfigError(why)
+            from reft_ext.load.errors import IdentityMismatch
+
+            raise IdentityMismatch(why)
         if self.cfg.flush_dir:  # save-on-failure tier: back into memory when newer
             from reft_ext.load.flushed import import_flushed
 
@@ -153,7 +187,9 @@ class ReftHook:
             if flushed is not None:
                 reft_print(f"rank {self.adapter.rank}: host memory had nothing newer than "
                            f"the flushed snapshot of iteration {flushed} in {self.cfg.flush_dir}: "
-                           f"loaded it into host memory")
+                           f"loaded it into host memory", event="imported_flushed",
+                           rank=self.adapter.rank, iteration=flushed,
+                           flush_dir=self.cfg.flush_dir)
         from reft_ext.load.reshard import reshard_from_memory
 
         # after an elastic shrink (docs/nodes.md): the old job's snapshots, resharded
@@ -163,7 +199,7 @@ class ReftHook:
             return it
         # a fused restore that fails a checksum leaves bytes in the model that only a
         # full persistent load replaces (reft_ext/load/recover.py recover)
-        it = recover(self.snap, persistent_iteration, fuse=not self.args.no_load_optim)
+        it = recover(self.snap, persistent_iteration, fuse=self.fused_load)
         if it is not None:
             self.count_recovery(self.snap.recovered_from or "host memory")
         return it
@@ -172,7 +208,17 @@ class ReftHook:
         """One recovery of the job, by the tier that served it (kept in the state)."""
         summary.count_recovery(self.state.extra, tier)
 
-    def on_start(self, state):
+    def recovered_from_checkpoint(self, path: str) -> None:
+        """The trainer loaded its persistent checkpoint after REFT-load found nothing
+        newer: logged and counted as a recovery like the others."""
+        if self.adapter.rank == 0:
+            reft_print(f"recovered iteration {self.state.iteration} from the persistent "
+                       f"checkpoint {path}")
+        # every rank (one line above)
+        record("recovered_persistent", iteration=self.state.iteration, path=path)
+        self.count_recovery("the persistent checkpoint")
+
+    def on_start(self, state) -> None:
         self.snap.start()  # AOR: every holder gets its owner's (restored) shard
         if self.cfg.hang_timeout > 0:  # before the watcher reads it; armed after 1 iteration
             from reft_ext.cluster.heartbeat import Heartbeat
@@ -183,7 +229,7 @@ class ReftHook:
         self.snap.signals.set(node_status.HEALTHY,
                               detail=f"training from iteration {state.iteration}")
 
-    def _start_watcher(self):
+    def _start_watcher(self) -> None:
         """Save-on-failure: the node's first rank starts a watcher of the node's workers
         (its own session, so it outlives them; reft_ext/cluster/watcher.py)."""
         from reft_ext.cluster.watcher import spawn
@@ -195,7 +241,15 @@ class ReftHook:
             spawn(self.cfg.shm_dir, self.cfg.job_id, sig.node, [pids[r] for r in sig.ranks],
                   self.cfg.flush_dir, ranks=sig.ranks, hang_timeout=self.cfg.hang_timeout)
 
-    def after_step(self, state):
+    # ---- every iteration -----------------------------------------------------------
+    def before_optimizer_step(self, state) -> None:
+        self.snap.before_optimizer_step()  # the snapshot in flight completes first
+        if self.heartbeat is not None:
+            # snapshot committed, the step's collectives not begun: a rank stuck here
+            # waits for no one (this is where --inject-fault R:ITER:STOP freezes a rank)
+            self.heartbeat.work()
+
+    def after_step(self, state) -> None:
         now = time.perf_counter()
         if self._t_step is not None:
             self.iteration_s.append(now - self._t_step)
@@ -213,7 +267,18 @@ class ReftHook:
         if self.heartbeat is not None:
             self.heartbeat.iteration_done(state.iteration)
 
-    # ---- loss-spike rollback (reft_ext/load/rollback.py) ---------------------------------
+    def heartbeat_paused(self):
+        """Checkpoint saves and validation beat nowhere and may outlast
+        --reft-hang-timeout: hang detection pauses for them (cluster/heartbeat.py)."""
+        return self.heartbeat.paused() if self.heartbeat is not None \
+            else contextlib.nullcontext()
+
+    def pause_heartbeat(self) -> None:
+        """From here to the end (the final save, the shutdown): not judged."""
+        if self.heartbeat is not None:
+            self.heartbeat.pause()
+
+    # ---- loss-spike rollback (reft_ext/load/rollback.py) ---------------------------
     def _job_wide(self, report: dict) -> tuple[float | None, float | None]:
         """(loss, grad norm) as every rank must see them: the loss lives on the last
         pipeline stage, and a NaN in one rank's gradients may not reach every rank's grad
@@ -257,7 +322,7 @@ class ReftHook:
         if self.snap.aor is not None:
             self.snap.aor.initialize()  # holders take their owners' restored shards
         n = self.detector.rolled_back(spike, it)
-        gbs, first = self.args.global_batch_size, state.consumed_train_samples
+        gbs, first = self.adapter.global_batch_size, state.consumed_train_samples
         skip = self.rollback_cfg.skip_batches * gbs
         state.consumed_train_samples += skip
         summary.count_rollback(state.extra)
@@ -268,16 +333,16 @@ class ReftHook:
                        f"skipped {self.rollback_cfg.skip_batches} global batch(es): "
                        f"{skipped}; rollback {n} of at most "
                        f"{self.rollback_cfg.rollback_limit} within "
-                       f"{self.rollback_cfg.spike_window} iterations")
+                       f"{self.rollback_cfg.spike_window} iterations", event="rollback",
+                       reason=reason, spike=spike, iteration=it,
+                       ms=1000 * (time.perf_counter() - t0),
+                       skip_batches=self.rollback_cfg.skip_batches,
+                       samples=[first, first + skip - 1] if skip else None, count=n,
+                       limit=self.rollback_cfg.rollback_limit,
+                       window=self.rollback_cfg.spike_window)
 
-    def before_optimizer_step(self, state):
-        self.snap.before_optimizer_step()
-        if self.heartbeat is not None:
-            # snapshot committed, the step's collectives not begun: a rank stuck here
-            # waits for no one (this is where --inject-fault R:ITER:STOP freezes a rank)
-            self.heartbeat.work()
-
-    def on_exit(self, state):
+    # ---- the end -------------------------------------------------------------------
+    def on_exit(self, state) -> None:
         torch.distributed.barrier(group=self.adapter.control_group)
         self.snap.flush()
         # before any worker exits: the watcher must not take the exit for a failure
@@ -290,10 +355,18 @@ class ReftHook:
             torch.distributed.all_reduce(checks, group=self.adapter.control_group)
             if self.adapter.rank == 0:
                 reft_print(f"aor: {checks[0].item()} replica verifications over "
-                           f"{self.adapter.world_size} ranks, {checks[1].item()} mismatches")
+                           f"{self.adapter.world_size} ranks, {checks[1].item()} mismatches",
+                           event="aor_checks", verifications=checks[0].item(),
+                           ranks=self.adapter.world_size, mismatches=checks[1].item())
         if self.adapter.rank == 0 and self.cfg.enabled:
             reft_print(self.summary(state))
-        self.snap.close(remove=not self.cfg.keep_snapshots)
+        self.close()
+
+    def close(self) -> None:
+        """The snapshots' segments unmapped, and removed unless --reft-keep-snapshots."""
+        if not self._closed:
+            self._closed = True
+            self.snap.close(remove=not self.cfg.keep_snapshots)
 
     def summary(self, state) -> str:
         snap = self.snap
@@ -306,64 +379,3 @@ class ReftHook:
             nodes=self.adapter.world_size // self.cfg.ranks_per_node,
             protection=self.cfg.protect)
 
-    # ---- fault injection (tests) -----------------------------------------------
-    def _fault_in_snapshot(self, iteration):
-        for f in self.faults:
-            if f.mode == "snapshot" and f.iteration == iteration:
-                fault_injection.fire(f, "during its snapshot write")
-
-    def wipe_node(self):
-        """Node loss: the failure domain's shared memory disappears with the node."""
-        d = job_dir(self.snap.store.job, self.cfg.shm_dir)
-        shutil.rmtree(d, ignore_errors=True)
-        reft_print(f"[FAULT] wiped failure domain {self.cfg.node_of(self.adapter.rank)} ({d})")
-
-    def corrupt(self, mode: str):
-        """--inject-fault ...:corrupt*: damage this rank's committed snapshot (tests).
-        The bytes are mapped shared on a tmpfs: the change is what any process reads
-        from now on, a kill right after does not lose it."""
-        store, snap = self.snap.store, self.snap
-        c = store.committed()
-        if c is None:
-            return
-        slot, it, who = c["slot"], int(c["iteration"]), f"rank {self.adapter.rank}'s"
-        if mode in ("corrupt", "corrupt-replica"):
-            region = "own" if mode == "corrupt" else "redundancy"
-            off, n = snap.regions[region]
-            if n == 0:
-                emit(f"[FAULT] {who} snapshot has no {region} region: nothing flipped")
-                return
-            store.data(slot, snap.nbytes)[off + n // 2] ^= 0xFF
-            if mode == "corrupt":
-                emit(f"[FAULT] flipped a byte of {who} snapshot of iteration {it}")
-            else:
-                a = self.adapter
-                peer = a.dp_ranks[(a.dp_ranks.index(a.rank) + 1) % len(a.dp_ranks)]
-                held = f"ARC replica of rank {peer}'s slice" if snap.protection.name == \
-                    "arc" else f"{snap.protection.name} redundancy block"
-                emit(f"[FAULT] flipped a byte of {who} {held} in its snapshot of "
-                     f"iteration {it}")
-            return
-        # still valid JSON, one value changed, the stored checksum (self_sha256) kept:
-        # only the file's own checksum can tell
-        if mode == "corrupt-manifest":
-            path = store._path(store._name(slot, "json"))
-            with open(path) as f:
-                m = json.load(f)
-            meta = from_jsonable(m["meta"])
-            counters = meta["counters"]
-            was = counters["consumed_train_samples"]
-            counters["consumed_train_samples"] = was + self.args.global_batch_size
-            m["meta"] = to_jsonable(meta)
-            change = (f"consumed_train_samples {was} -> "
-                      f"{counters['consumed_train_samples']} in {who} manifest {path} of "
-                      f"iteration {it}")
-        else:  # corrupt-committed
-            path = store._path(f"rank{self.adapter.rank}.committed")
-            with open(path) as f:
-                m = json.load(f)
-            m["iteration"] = it + 1
-            change = f"{who} commit pointer {path}: iteration {it} -> {it + 1}"
-        with open(path, "w") as f:
-            json.dump(m, f)
-        emit(f"[FAULT] changed {change} (checksum kept)")

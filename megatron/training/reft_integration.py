@@ -1,11 +1,17 @@
-"""Thin call site of the start-up health check (reft_ext/cluster/health.py): run it before any
-state is loaded, log the verdict, and act on a failed node (docs/nodes.md):
+"""Megatron's side of REFT, and nothing else: the state adapter, building the session
+(reft_ext/session.py) from the flags, the schedule events, and the start-up health
+check's call site. What REFT does lives in reft_ext; the training loop calls only
+:func:`pipeline_events`, :func:`open_session`, :func:`startup_health_check` and the
+session's methods.
+
+Health check (reft_ext/cluster/health.py), run before any state is loaded; on a failed
+node (docs/nodes.md):
 
 * elastic (``--reft-min-nodes``, torchrun ``--nnodes MIN:MAX``) and the layout still
   valid without the node: the node's workers stop their own torchrun agent with SIGTERM
   and the healthy workers exit with EXIT_REGROUP; their agents restart them, the
   rendezvous completes without the node, and the job resumes with fewer data-parallel
-  replicas;
+  replicas (what host memory does then: reft_ext/cluster/shrink.py);
 * otherwise every node's workers stop their agent: the job ends with one line that names
   the node and the flag.
 
@@ -19,28 +25,150 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import shutil
 import signal
 import sys
 import time
+from functools import partial
 
 import torch
+from megatron.core import parallel_state as mpu
 
-from megatron.training import fault_injection
+from megatron.training import fault_injection, optimizer_state
+from megatron.training.train_state import TrainingState
 from megatron.training.utils import emit
-from reft_ext.cluster import status as node_status
-from reft_ext.config import ReftConfig
+from reft_ext.cluster import shrink
 from reft_ext.cluster.health import run_health_check
 from reft_ext.cluster.health_config import HealthConfig
-from reft_ext.store.shm import job_dir
+from reft_ext.config import ReftConfig
+from reft_ext.load.rollback import RollbackConfig
+from reft_ext.report.events import emit as reft_emit, record
+from reft_ext.session import DisabledSession, ReftSession
 
+
+# ---- the state adapter -------------------------------------------------------------
+def _all_dp_groups() -> list[list[int]]:
+    """Every sharding group of the job (each rank knows the whole layout)."""
+    world = torch.distributed.get_world_size()
+    mine = torch.distributed.get_process_group_ranks(mpu.get_data_parallel_group())
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, sorted(mine))
+    groups = []
+    for g in gathered:
+        if g not in groups:
+            groups.append(g)
+    return groups
+
+
+class MegatronStateAdapter:
+    """REFT's view of a TrainingState (reft_ext.session.SessionAdapter): which tensors
+    are replicated across the sharding group (model params, and the optimizer state
+    unless it is distributed) and which are owned (ZeRO-1 shards), plus the small
+    metadata."""
+
+    def __init__(self, state: TrainingState, args):
+        self.state, self.args = state, args
+        self.ranks_per_node = ReftConfig.from_args(args).ranks_per_node  # (identity)
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        self.global_batch_size = args.global_batch_size
+        self.dp_group = mpu.get_data_parallel_group_gloo() or mpu.get_data_parallel_group()
+        self.dp_ranks = sorted(torch.distributed.get_process_group_ranks(self.dp_group))
+        self.all_dp_groups = _all_dp_groups()
+        self.control_group = torch.distributed.new_group(backend="gloo")
+        # what the HAS scheduler's 1F1B formula needs: (pp, vpp, micro-batches)
+        self.pipeline = (args.pipeline_model_parallel_size,
+                         args.virtual_pipeline_model_parallel_size or 1, args.num_microbatches)
+
+    def _split(self):
+        rep, own = [], []
+        for name, t in self.state.state_tensors():
+            if name.startswith("optim.") and self.args.use_distributed_optimizer:
+                own.append((name, t))
+            else:
+                rep.append((name, t))
+        return rep, own
+
+    def replicated_tensors(self):
+        return self._split()[0]
+
+    def owned_tensors(self):
+        return self._split()[1]
+
+    def torch_optimizers(self) -> list:
+        """The torch optimizers inside megatron's (chained) distributed optimizer."""
+        opt = self.state.optimizer
+        return [c.optimizer for c in getattr(opt, "chained_optimizers", [opt])]
+
+    def identity(self) -> dict:
+        """What makes a state this run's (reft_ext/state/identity.py): not the DP size,
+        which an elastic shrink changes."""
+        from megatron.training.checkpointing import run_identity
+
+        out = run_identity(self.args)  # + what makes host memory's layout this run's
+        out["reft_protect"] = getattr(self.args, "reft_protect", None)
+        out["reft_ranks_per_node"] = self.ranks_per_node
+        return out
+
+    def run_id(self) -> str | None:
+        return self.state.extra.get("run_id")
+
+    def get_meta(self) -> dict:
+        return self.state.metadata()
+
+    def set_meta(self, meta: dict) -> None:
+        self.state.load_metadata(meta)
+
+
+# ---- building the session ----------------------------------------------------------
+def pipeline_events(args, transformer_config):
+    """(events, forward-backward kwargs, trace group): the schedule's events (bubbles
+    for HAS, the Chrome trace), only when REFT or its trace asks for them, so a plain
+    run calls megatron-core exactly as Megatron-LM does."""
+    cfg = ReftConfig.from_args(args)
+    if not (cfg.enabled or cfg.trace_file):
+        return None, {}, None
+    from megatron.training import pipeline_events as events_mod
+    from reft_ext.report.timeline import PipelineEvents
+
+    events = PipelineEvents(torch.distributed.get_rank(), trace=bool(cfg.trace_file))
+    if cfg.trace_file:
+        events.trace.labels["process"] = (
+            f"rank {events.trace.rank} (tp {mpu.get_tensor_model_parallel_rank()}, "
+            f"pp {mpu.get_pipeline_model_parallel_rank()}, "
+            f"dp {mpu.get_data_parallel_rank()})")
+    fb_kwargs = events_mod.install(transformer_config, events)
+    return events, fb_kwargs, torch.distributed.new_group(backend="gloo")
+
+
+def open_session(args, state: TrainingState, faults=(), events=None, trace_group=None):
+    """REFT's session for this rank (reft_ext/session.py): a DisabledSession when
+    snapshots are off. ``faults``: the parsed ``--inject-fault`` specs; a rank named
+    there gets REFT's test observer (reft_ext/testing/faults.py)."""
+    cfg = ReftConfig.from_args(args)
+    if not cfg.enabled:
+        return DisabledSession(cfg.trace_file, events, trace_group)
+    # a fresh optimizer has no Adam state yet: create it so the layout is final
+    optimizer_state.ensure_adam_state(state.optimizer)
+    adapter = MegatronStateAdapter(state, args)
+    session = ReftSession(cfg, adapter, state, events=events, trace_group=trace_group,
+                          rollback=RollbackConfig.from_args(args),
+                          fused_load=not args.no_load_optim)
+    mine = [f for f in faults if f.rank == adapter.rank]
+    if mine:  # tests and demos: the REFT part of this rank's --inject-fault modes
+        from reft_ext.testing.faults import ReftFaults
+
+        ReftFaults(session, partial(fault_injection.fire_in_snapshot, mine)).install()
+    return session
+
+
+# ---- the start-up health check -------------------------------------------------------
 EXIT_REGROUP = 75    # EX_TEMPFAIL: healthy worker, restart me in the smaller job
 EXIT_EXCLUDED = 76   # a worker of the failed node (its agent is stopping it anyway)
 AGENT_WAIT_S = 30.0  # the agent SIGTERMs its workers within its monitor interval
 
 
-def _say(msg: str) -> None:
-    emit(f"[REFT] health: {msg}")
+def _say(msg: str, event: str | None = None, **fields) -> None:
+    reft_emit(event, f"health: {msg}", **fields)
 
 
 def _restarts_left() -> int | None:
@@ -118,6 +246,9 @@ def startup_health_check(args) -> bool:
                               timeout_s=hc.health_timeout, inject=inject,
                               info=_restarts_left(),
                               device="cuda" if torch.cuda.is_available() else "cpu")
+    record("health", ok=report.ok, nodes=report.nodes, unresolved=report.unresolved,
+           failures=[{"node": f.node, "check": f.check, "reason": f.reason}
+                     for f in report.failures])
     if report.ok:
         if rank == 0:
             for line in report.lines():
@@ -125,9 +256,7 @@ def startup_health_check(args) -> bool:
         return True
     if node in report.bad_nodes and rank % rpn == 0:  # the node's own status (one writer)
         why = "; ".join(f"{f.check}: {f.reason}" for f in report.failures if f.node == node)
-        node_status.write(cfg.shm_dir, cfg.job_id, node, node_status.UNHEALTHY,
-                          ranks=report.node_ranks[node], detail=f"failed the health check "
-                          f"({why})")
+        shrink.mark_unhealthy(cfg, node, report.node_ranks[node], why)
     for line in report.lines():  # every rank: each node's log says what happened
         _say(line)
     go_on, why = shrink_plan(args, hc, report, rpn)
@@ -138,19 +267,15 @@ def startup_health_check(args) -> bool:
                                      timeout=datetime.timedelta(seconds=hc.health_timeout))
     if not go_on:
         _say(f"error: node(s) {bad} failed the health check and the job cannot go on "
-             f"without them: {why}. Stopping the job.")
+             f"without them: {why}. Stopping the job.", event="health_stop", nodes=bad,
+             reason=why)
         _leave(EXIT_EXCLUDED, True, pg)
-    _say(f"excluding node(s) {bad}: {why}")
+    _say(f"excluding node(s) {bad}: {why}", event="shrink", nodes=bad, reason=why)
     if node in bad:
-        if rank % rpn == 0:  # its host memory goes with it (another node's ranks may
-            # take its index, and so its shared-memory directory, in the smaller job)
-            shutil.rmtree(job_dir(f"{cfg.job_id}-node{node}", cfg.shm_dir),
-                          ignore_errors=True)
+        if rank % rpn == 0:
+            shrink.leave_job(cfg, node)
         _leave(EXIT_EXCLUDED, True, pg)
-    if cfg.enabled:  # who this rank was, for REFT-load in the smaller job (reft_ext/reshard)
-        from reft_ext.load.reshard import write_handover
-
-        write_handover(cfg.shm_dir, cfg.job_id, rank, node, world)
+    shrink.hand_over(cfg, rank, node, world)  # who this rank was, for the smaller job
     _leave(EXIT_REGROUP, False, pg)
     return True  # not reached
 

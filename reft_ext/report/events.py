@@ -1,0 +1,99 @@
+"""REFT's log lines, for people and for programs.
+
+``emit(event, text, **fields)`` writes the human line ``[REFT] <text>`` to stdout, as
+REFT always has, and, when the environment variable ``REFT_EVENTS_FILE`` names a file,
+appends the same fact as one JSON object per line::
+
+    {"event": "recovered", "rank": 2, "time": 1718000000.1, "iteration": 4, "source": ...}
+
+so that tests, dashboards and tools read fields instead of parsing sentences (whose
+wording may change). ``rank`` is the ``RANK`` of the process that writes it (None outside
+torchrun) unless the event names the rank it is about (a watcher reporting a hung rank).
+
+Every process of a job (each rank, each node's watcher) appends to the same file: the
+file is opened with O_APPEND and each object is written with one ``write()``, so lines
+of different processes never interleave. It is created private (0600): events name
+paths and run ids. No torch here: the watcher processes import this module too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from enum import Enum
+
+ENV = "REFT_EVENTS_FILE"
+
+
+def _plain(value):
+    """JSON types only: enums as their values (Region.OWN -> "own"), tuples and sets as
+    lists, dict keys as strings; anything else (a path object) as its str()."""
+    if isinstance(value, Enum):
+        return _plain(value.value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _rank() -> int | None:
+    try:
+        return int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None
+
+
+def record(event: str, **fields) -> dict | None:
+    """Append one event to ``$REFT_EVENTS_FILE`` (nothing when it is unset); returns the
+    object written. A failed write never stops training: the event is lost, not the job."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    obj = {"event": event, "rank": _rank(), "time": time.time(), **_plain(fields)}
+    line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        os.write(fd, line)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return obj
+
+
+def emit(event: str | None, text: str | None, **fields) -> None:
+    """The ``[REFT] <text>`` line (one write: ranks share a pipe, and print() writes the
+    text and the newline separately, so two ranks' lines could run together), then the
+    event. ``event`` None: the line alone; ``text`` None: the event alone (a fact a
+    rank records that only rank 0 says in words)."""
+    if text is not None:
+        sys.stdout.write(f"[REFT] {text}\n")
+        sys.stdout.flush()
+    if event is not None:
+        record(event, **fields)
+
+
+def read(path: str) -> list[dict]:
+    """Every event of a file written by :func:`record`, in the order written (a line a
+    killed process left half-written is skipped)."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out

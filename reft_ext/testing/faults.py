@@ -1,0 +1,117 @@
+"""REFT-specific damage for ``--inject-fault`` (tests and demos): a lost node's shared
+memory, a flipped byte or a rewritten manifest / commit pointer in a rank's committed
+snapshot, a kill halfway through a snapshot write.
+
+The trainer's megatron/training/fault_injection.py decides *when* (rank, iteration,
+attempt) and sends the signal; it asks for the REFT part through
+:func:`reft_ext.testing.fault_point`, which reaches the :class:`ReftFaults` observer that
+the integration installs for a rank named by ``--inject-fault``. The production objects
+(session, snapshotter, store) hold no test code: this module reads their state from
+outside.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from typing import Callable
+
+from reft_ext.state.regions import Region
+from reft_ext.testing import set_fault_observer
+
+
+def _emit(msg: str) -> None:
+    """One line in one write (the trainer's ``emit``: ranks share a pipe)."""
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
+
+
+class ReftFaults:
+    """The observer of :func:`reft_ext.testing.fault_point` for one rank's session
+    (reft_ext/session.py). ``on_snapshot_write(iteration)``: called halfway through each
+    snapshot write (after the own slice), where the trainer fires a ``snapshot`` fault."""
+
+    def __init__(self, session, on_snapshot_write: Callable[[int], None] | None = None):
+        self.session = session
+        self.on_snapshot_write = on_snapshot_write
+
+    def install(self) -> ReftFaults:
+        set_fault_observer(self)
+        return self
+
+    def __call__(self, point: str, **info) -> None:
+        if point == "node-loss":
+            self.wipe_node()
+        elif point == "corrupt":
+            self.corrupt(info["mode"])
+        elif point == "snapshot-write" and self.on_snapshot_write is not None:
+            self.on_snapshot_write(info["iteration"])
+
+    def wipe_node(self) -> None:
+        """Node loss: the failure domain's shared memory disappears with the node."""
+        from reft_ext.save.snapshotter import reft_print
+        from reft_ext.store.paths import job_dir
+
+        s = self.session
+        d = job_dir(s.snap.store.job, s.cfg.shm_dir)
+        shutil.rmtree(d, ignore_errors=True)
+        reft_print(f"[FAULT] wiped failure domain {s.cfg.node_of(s.adapter.rank)} ({d})")
+
+    def corrupt(self, mode: str) -> None:
+        """``--inject-fault ...:corrupt*``: damage this rank's committed snapshot. The
+        bytes are mapped shared on a tmpfs: the change is what any process reads from
+        now on, a kill right after does not lose it."""
+        s = self.session
+        snap, a = s.snap, s.adapter
+        store = snap.store
+        c = store.committed()
+        if c is None:
+            return
+        slot, it, who = c["slot"], int(c["iteration"]), f"rank {a.rank}'s"
+        if mode in ("corrupt", "corrupt-replica"):
+            region = Region.OWN if mode == "corrupt" else Region.REDUNDANCY
+            off, n = snap.regions[region]
+            if n == 0:
+                _emit(f"[FAULT] {who} snapshot has no {region} region: nothing flipped")
+                return
+            store.data(slot, snap.nbytes)[off + n // 2] ^= 0xFF
+            if mode == "corrupt":
+                _emit(f"[FAULT] flipped a byte of {who} snapshot of iteration {it}")
+            else:
+                peer = a.dp_ranks[(a.dp_ranks.index(a.rank) + 1) % len(a.dp_ranks)]
+                held = f"ARC replica of rank {peer}'s slice" if snap.protection.name == \
+                    "arc" else f"{snap.protection.name} redundancy block"
+                _emit(f"[FAULT] flipped a byte of {who} {held} in its snapshot of "
+                      f"iteration {it}")
+            return
+        self._rewrite_json(mode, slot, it, who)
+
+    def _rewrite_json(self, mode: str, slot: int, it: int, who: str) -> None:
+        """Still valid JSON, one value changed, the stored checksum (self_sha256) kept:
+        only the file's own checksum can tell."""
+        from reft_ext.store.slots import from_jsonable, to_jsonable
+
+        s = self.session
+        store = s.snap.store
+        if mode == "corrupt-manifest":
+            path = store._path(store._name(slot, "json"))
+            with open(path) as f:
+                m = json.load(f)
+            meta = from_jsonable(m["meta"])
+            counters = meta["counters"]
+            was = counters["consumed_train_samples"]
+            counters["consumed_train_samples"] = was + s.adapter.global_batch_size
+            m["meta"] = to_jsonable(meta)
+            change = (f"consumed_train_samples {was} -> "
+                      f"{counters['consumed_train_samples']} in {who} manifest {path} of "
+                      f"iteration {it}")
+        else:  # corrupt-committed
+            path = store._path(f"rank{s.adapter.rank}.committed")
+            with open(path) as f:
+                m = json.load(f)
+            m["iteration"] = it + 1
+            change = f"{who} commit pointer {path}: iteration {it} -> {it + 1}"
+        with open(path, "w") as f:
+            json.dump(m, f)
+        _emit(f"[FAULT] changed {change} (checksum kept)")
