@@ -1,1 +1,10 @@
 """Moving bytes: the copy engine (native or torch) from device/host tensors into shared memory."""
+
+from reft_ext._exports import lazy_exports
+
+_EXPORTS = {
+    "CopyEngine": "engine",
+    "CopyHandle": "engine",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -4,3 +4,21 @@ come from; errors.py: why not); what it does is I/O and collectives (recover.py 
 restart, reshard.py after a shrink) over a narrow view of the snapshotter (view.py).
 Beside them: fused.py (verify-and-load in one pass), flushed.py (the flushed tier),
 rollback.py (loss-spike rollback)."""
+
+from reft_ext._exports import lazy_exports
+
+_EXPORTS = {
+    "RecoveryError": "errors",
+    "choose_iteration": "planning",
+    "plan_recovery": "planning",
+    "plan_reshard": "planning",
+    "take_inventory": "inventory",
+    "SnapshotView": "view",
+    "reshard_from_memory": "reshard",
+    "import_flushed": "flushed",
+    "load_verified": "fused",
+    "RollbackConfig": "rollback",
+    "SpikeDetector": "rollback",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
