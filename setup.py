@@ -30,7 +30,8 @@ setup(
     name="reft-megatron",
     version="0.1.0",
     description="Megatron-core Llama pretraining with REFT in-memory fault tolerance",
-    packages=find_packages(include=["reft_ext", "reft_ext.*", "megatron.training", "megatron.training.*"]),
+    # megatron/ has no __init__.py (megatron-core owns the namespace): name megatron.training
+    packages=find_packages(include=["reft_ext", "reft_ext.*"]) + ["megatron.training"],
     py_modules=["pretrain_llama"],
     python_requires=">=3.10",
     install_requires=[

@@ -71,13 +71,13 @@ def record(event: str, **fields) -> dict | None:
     return obj
 
 
-def emit(event: str | None, text: str | None, **fields) -> None:
-    """The ``[REFT] <text>`` line (one write: ranks share a pipe, and print() writes the
+def emit(event: str | None, text: str | None, *, prefix: str = "[REFT]", **fields) -> None:
+    """The ``[REFT] <text>`` line (``prefix`` names another source, e.g. ``[AOR]``) (one write: ranks share a pipe, and print() writes the
     text and the newline separately, so two ranks' lines could run together), then the
     event. ``event`` None: the line alone; ``text`` None: the event alone (a fact a
     rank records that only rank 0 says in words)."""
     if text is not None:
-        sys.stdout.write(f"[REFT] {text}\n")
+        sys.stdout.write(f"{prefix} {text}\n")
         sys.stdout.flush()
     if event is not None:
         record(event, **fields)

@@ -12,7 +12,6 @@ schedule says (reft_ext/save/schedules.py, tiers.py) -> sealed and committed job
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any, Protocol
@@ -36,8 +35,6 @@ from reft_ext.store.slots import SnapshotStore, to_jsonable
 from reft_ext.report.timeline import PipelineEvents
 from reft_ext.report.events import emit
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
-
-log = logging.getLogger("reft")
 
 
 class StateAdapter(Protocol):

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from reft_ext.protect.aor.replica import AORReplica, OwnerShard
+from reft_ext.report.events import emit
 
 TAG_INIT, TAG_STEP = 0xA0F0, 0xA0F1
 
@@ -71,7 +72,7 @@ class AORTransport:
     peer's shard size is known.
     """
 
-    def __init__(self, torch_optimizers, group, alloc=None, log=None):
+    def __init__(self, torch_optimizers, group, alloc=None):
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
@@ -83,7 +84,6 @@ class AORTransport:
         self.holder_rank = self.ranks[(d - 1) % self.D]  # who holds mine
         self.owner = OwnerShard(torch_optimizers)
         self.alloc = alloc or _default_alloc
-        self.log = log or (lambda msg: print(msg, flush=True))
         self.replica: AORReplica | None = None
         self.warnings: list[str] = []
         self._hook = None
@@ -113,7 +113,8 @@ class AORTransport:
                 f"rank {self.owner_rank} runs torch {peer.torch_version} with "
                 f"{peer.num_threads} threads, this holder {mine.torch_version} with "
                 f"{mine.num_threads}: bit identity is not guaranteed (verify will tell)")
-            self.log(f"[AOR] rank {self.rank}: WARNING {self.warnings[-1]}")
+            emit("aor_warning", f"rank {self.rank}: WARNING {self.warnings[-1]}", prefix="[AOR]",
+                 owner=self.owner_rank, why=self.warnings[-1])
         packed = torch.empty(mine.nbytes, dtype=torch.uint8)
         self.owner.pack_state(packed)
         rw = dist.irecv(self.replica.buffer, src=self.owner_rank, group=self.group,
@@ -199,9 +200,10 @@ class AORTransport:
         match = mine[1] == expected
         if not match and self.replica.valid:
             self.replica.invalidate(f"checksum mismatch at iteration {iteration}")
-            self.log(f"[AOR] rank {self.rank}: MISMATCH at iteration {iteration}: replica of "
-                     f"rank {self.owner_rank} has checksum {mine[1]:016x}, the owner "
-                     f"{expected:016x}; recovery from this replica is disabled")
+            emit("aor_mismatch", f"rank {self.rank}: MISMATCH at iteration {iteration}: replica "
+                 f"of rank {self.owner_rank} has checksum {mine[1]:016x}, the owner "
+                 f"{expected:016x}; recovery from this replica is disabled", prefix="[AOR]",
+                 iteration=iteration, owner=self.owner_rank)
         return {"iteration": iteration, "owner": self.owner_rank, "match": match,
                 "replica": mine[1], "expected": expected, "valid": self.replica.valid,
                 "step": self.replica.step_count()}
