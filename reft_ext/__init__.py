@@ -8,22 +8,10 @@ reft_ext/config.py). They are imported on first use (PEP 562), so ``import reft_
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "ReftConfig": "reft_ext.config",
-    "ReftConfigError": "reft_ext.config",
-    "ReftSession": "reft_ext.session",
-    "DisabledSession": "reft_ext.session",
+from reft_ext._exports import lazy_exports
+
+_EXPORTS = {  # module: the names it offers
+    "config": ("ReftConfig", "ReftConfigError"),
+    "session": ("ReftSession", "DisabledSession"),
 }
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'reft_ext' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next access skips __getattr__
-    return value
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

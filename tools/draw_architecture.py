@@ -239,18 +239,19 @@ def owns(node: str) -> str:
 
 
 def _declared_all(tree: ast.Module) -> list[str] | None:
+    """A package's public names: ``_EXPORTS`` (module -> names, reft_ext/_exports.py's
+    lazy faces) in the order written, or a literal ``__all__``."""
     assigned = {}
     for stmt in tree.body:
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
                 and isinstance(stmt.targets[0], ast.Name):
             assigned[stmt.targets[0].id] = stmt.value
+    exports = assigned.get("_EXPORTS")
+    if isinstance(exports, ast.Dict):
+        return [name for names in ast.literal_eval(exports).values() for name in names]
     value = assigned.get("__all__")
     if value is None:
         return None
-    if isinstance(value, ast.Call) and len(value.args) == 1 and isinstance(value.args[0], ast.Name):
-        value = assigned.get(value.args[0].id)           # __all__ = list(_EXPORTS)
-        if isinstance(value, ast.Dict):
-            return [k.value for k in value.keys if isinstance(k, ast.Constant)]
     try:
         return [str(n) for n in ast.literal_eval(value)]
     except ValueError:

@@ -2,16 +2,12 @@
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "NodeSignals": "status",
-    "Heartbeat": "heartbeat",
-    "HangMonitor": "heartbeat",
-    "HealthConfig": "health_config",
-    "run_health_check": "health",
-    "spawn": "watcher",
-    "mark_unhealthy": "shrink",
-    "leave_job": "shrink",
-    "hand_over": "shrink",
+_EXPORTS = {  # module: the names it offers
+    "status": ("NodeSignals",),
+    "heartbeat": ("Heartbeat", "HangMonitor"),
+    "health_config": ("HealthConfig",),
+    "health": ("run_health_check",),
+    "watcher": ("spawn",),
+    "shrink": ("mark_unhealthy", "leave_job", "hand_over"),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

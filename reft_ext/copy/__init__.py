@@ -2,9 +2,7 @@
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "CopyEngine": "engine",
-    "CopyHandle": "engine",
+_EXPORTS = {  # module: the names it offers
+    "engine": ("CopyEngine", "CopyHandle"),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

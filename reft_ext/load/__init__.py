@@ -7,18 +7,14 @@ rollback.py (loss-spike rollback)."""
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "RecoveryError": "errors",
-    "choose_iteration": "planning",
-    "plan_recovery": "planning",
-    "plan_reshard": "planning",
-    "take_inventory": "inventory",
-    "SnapshotView": "view",
-    "reshard_from_memory": "reshard",
-    "import_flushed": "flushed",
-    "load_verified": "fused",
-    "RollbackConfig": "rollback",
-    "SpikeDetector": "rollback",
+_EXPORTS = {  # module: the names it offers
+    "errors": ("RecoveryError",),
+    "planning": ("choose_iteration", "plan_recovery", "plan_reshard"),
+    "inventory": ("take_inventory",),
+    "view": ("SnapshotView",),
+    "reshard": ("reshard_from_memory",),
+    "flushed": ("import_flushed",),
+    "fused": ("load_verified",),
+    "rollback": ("RollbackConfig", "SpikeDetector"),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -15,22 +15,15 @@ Imports are lazy: the trainer imports :mod:`reft_ext.plan.presets` at start-up.
 
 from __future__ import annotations
 
-_EXPORTS = {
-    "plan": "cli", "main": "cli", "PlanReport": "cli",
-    "Plan": "planner", "SnapshotConfig": "planner",
-    "ModelConfig": "model", "ParallelConfig": "model",
-    "HardwareConfig": "hardware", "PROFILES": "hardware",
-    "ReliabilityConfig": "reliability", "JobReliability": "reliability",
-    "CostConfig": "hardware", "training_days": "hardware",
-    "PlanConfigError": "common", "MODEL_PRESETS": "presets",
+from reft_ext._exports import lazy_exports
+
+_EXPORTS = {  # module: the names it offers
+    "cli": ("plan", "main", "PlanReport"),
+    "planner": ("Plan", "SnapshotConfig"),
+    "model": ("ModelConfig", "ParallelConfig"),
+    "hardware": ("HardwareConfig", "PROFILES", "CostConfig", "training_days"),
+    "reliability": ("ReliabilityConfig", "JobReliability"),
+    "common": ("PlanConfigError",),
+    "presets": ("MODEL_PRESETS",),
 }
-
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(f"reft_ext.plan.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'reft_ext.plan' has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

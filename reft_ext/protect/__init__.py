@@ -2,13 +2,8 @@
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "Protection": "schemes",
-    "make_protection": "schemes",
-    "register": "schemes",
-    "snapshot_regions": "schemes",
-    "xor_encode": "xor",
-    "xor_decode": "xor",
+_EXPORTS = {  # module: the names it offers
+    "schemes": ("Protection", "make_protection", "register", "snapshot_regions"),
+    "xor": ("xor_encode", "xor_decode"),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

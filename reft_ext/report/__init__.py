@@ -2,13 +2,10 @@
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "emit": "events",
-    "record": "events",
-    "Progress": "progress",
-    "PipelineEvents": "timeline",
-    "write_chrome_trace": "timeline",
-    "format_summary": "summary",
+_EXPORTS = {  # module: the names it offers
+    "events": ("emit", "record"),
+    "progress": ("Progress",),
+    "timeline": ("PipelineEvents", "write_chrome_trace"),
+    "summary": ("format_summary",),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

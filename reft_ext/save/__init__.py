@@ -2,14 +2,10 @@
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "ReftSnapshotter": "snapshotter",
-    "StateAdapter": "snapshotter",
-    "reft_print": "snapshotter",
-    "Schedule": "schedules",
-    "make_schedule": "schedules",
-    "plan_tiers": "tiers",
-    "tier_split": "bubbles",
+_EXPORTS = {  # module: the names it offers
+    "snapshotter": ("ReftSnapshotter", "StateAdapter", "reft_print"),
+    "schedules": ("Schedule", "make_schedule"),
+    "tiers": ("plan_tiers",),
+    "bubbles": ("tier_split",),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

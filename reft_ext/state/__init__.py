@@ -2,13 +2,9 @@
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "StateLayout": "layout",
-    "StreamLayout": "layout",
-    "Region": "regions",
-    "Source": "regions",
-    "fingerprint": "identity",
-    "refuse_other_runs": "identity",
+_EXPORTS = {  # module: the names it offers
+    "layout": ("StateLayout", "StreamLayout"),
+    "regions": ("Region", "Source"),
+    "identity": ("fingerprint", "refuse_other_runs"),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

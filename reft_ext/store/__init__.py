@@ -2,19 +2,12 @@
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "SnapshotStore": "slots",
-    "sealed": "slots",
-    "read_sealed": "slots",
-    "Committer": "commit",
-    "ShmSegment": "shm",
-    "ShmDirError": "shm",
-    "ShmSpaceError": "shm",
-    "write_atomic": "atomic",
-    "node_dir": "paths",
-    "job_dir": "paths",
-    "Checksum": "checksum",
-    "checksum_all": "checksum",
+_EXPORTS = {  # module: the names it offers
+    "slots": ("SnapshotStore", "sealed", "read_sealed"),
+    "commit": ("Committer",),
+    "shm": ("ShmSegment", "ShmDirError", "ShmSpaceError"),
+    "atomic": ("write_atomic",),
+    "paths": ("node_dir", "job_dir"),
+    "checksum": ("Checksum", "checksum_all"),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -2,11 +2,8 @@
 
 from reft_ext._exports import lazy_exports
 
-_EXPORTS = {
-    "AORReplica": "replica",
-    "OwnerShard": "replica",
-    "AORTransport": "transport",
-    "connect": "transport",
+_EXPORTS = {  # module: the names it offers
+    "replica": ("AORReplica", "OwnerShard"),
+    "transport": ("AORTransport", "connect"),
 }
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)
