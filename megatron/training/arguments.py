@@ -10,7 +10,8 @@ import argparse
 import os
 
 from megatron.training.errors import ArgumentError  # (raised here; importers name it here)
-from megatron.training.fault_injection import parse_fault_specs, parse_spike_specs
+from megatron.training.fault_injection import (GRAMMAR, PHASES, check_fault_phases,
+                                              parse_fault_specs, parse_spike_specs)
 from reft_ext.plan.presets import (  # shared with the planner
     MODEL_PRESETS,
     check_model_split,
@@ -115,8 +116,13 @@ def _add_checkpoint_args(p):
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
-    g.add_argument("--inject-fault", type=str, default=None, metavar="RANK:ITER[:SIGNAL]",
-                   help="kill RANK at ITER on the first attempt (tests and demos)")
+    g.add_argument("--inject-fault", type=str, default=None, metavar=GRAMMAR + "[,...]",
+                   help="tests and demos: send SIGNAL (default SIGKILL) to RANK during "
+                        "iteration ITER at moment PHASE (default step: right before the "
+                        "optimizer step) on torchrun attempt ATTEMPT (default 0), once per "
+                        "process; MODE node|snapshot|shm-full|corrupt[-replica|-manifest|"
+                        "-committed] adds REFT damage. Phases: " + ", ".join(PHASES) +
+                        " (megatron/training/fault_injection.py)")
     g.add_argument("--inject-spike", type=str, default=None, metavar="RANK:ITER[:scale|nan]",
                    help="tests: before ITER's optimizer step, multiply RANK's gradients by "
                         "1e4 (scale) or make them NaN (nan), once per process")
@@ -220,6 +226,8 @@ def validate_args(args):
         if part and not (len(bits) == 2 and all(b.isdigit() for b in bits) and int(bits[0]) >= 1):
             _fail("--skip-train-batches", f"expected ITER:N with ITER >= 1, got {part!r}")
     _validate_reft(args)
+    if args.inject_fault is not None:  # a phase this run never reaches would never fire
+        check_fault_phases(parse_fault_specs(args.inject_fault, ws), args)
     return args
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import time
+from functools import partial
 
 import torch
 from megatron.core import dist_checkpointing
@@ -26,6 +27,7 @@ from megatron.training import optimizer_state
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
 from reft_ext.state.identity import differences, stamp
+from reft_ext.testing import fault_point  # --inject-fault moments
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # what makes a state a run's (reft_ext/state/identity.py): model shape, layout, optimizer
@@ -72,6 +74,20 @@ def _write_tracker(root: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(root, TRACKER))
 
 
+def _writer(write, iteration: int, trainer: int, *args, **kwargs):
+    """An async save's write, run in the writer process megatron-core forks from the
+    trainer. It dies with the trainer: an orphaned writer of a SIGKILLed rank would keep
+    writing a checkpoint nobody finalizes and hold the job's stdout (and torchrun)
+    open. Behind the fault point ``save-async``: a fault there kills the writer before
+    it writes, the rank lives on and must find the save failed (no tracker naming the
+    unfinished checkpoint)."""
+    _die_with_parent()
+    if os.getppid() != trainer:  # the trainer died before prctl took effect
+        os._exit(1)
+    fault_point("save-async", iteration=iteration)
+    return write(*args, **kwargs)
+
+
 def _prewarm_results_queue() -> None:
     """dist_checkpointing's writer results queue uses a spawn-context Manager whose
     start re-imports ``__main__`` (torch + megatron: 11-18 s on the first save on this
@@ -89,8 +105,10 @@ def _prewarm_results_queue() -> None:
 
 
 def _die_with_parent() -> None:
-    """Runs in the manager process: a SIGKILLed trainer must not leave it behind
-    (an orphan keeps the job's stdout open and its torchrun waiting)."""
+    """Runs in a process the trainer forked (the results-queue manager, the async
+    writer): a SIGKILLed trainer must not leave it behind (an orphan keeps the job's
+    stdout open and its torchrun waiting). Forks come from the trainer's main thread,
+    whose end is the process's end, so PDEATHSIG fires exactly when the trainer dies."""
     import ctypes
     import signal
 
@@ -106,8 +124,11 @@ def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_opt
     model_sd = {}
     for i, chunk in enumerate(state.model):
         key = "model" if len(state.model) == 1 else f"model{i}"
-        sd[key] = chunk.module.sharded_state_dict()
-        model_sd.update(sd[key])
+        # nested by chunk, as megatron-core expects: the chunks of an interleaved pipeline
+        # share their local key names, so one flat dict would keep the last chunk's
+        # params only and the optimizer could not map the others ("Param id N does not
+        # match any model sharded param")
+        sd[key] = model_sd[key] = chunk.module.sharded_state_dict()
     if load_optim:
         if is_loading:
             optimizer_state.ensure_adam_state(state.optimizer)  # upstream bug 1
@@ -165,6 +186,7 @@ class Checkpointer:
         root = args.save
         path = checkpoint_dir(root, it)
         t0 = time.time()
+        fault_point("save", iteration=it)  # --inject-fault ...@save (fault_injection.py)
         if torch.distributed.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         torch.distributed.barrier()
@@ -172,12 +194,17 @@ class Checkpointer:
         request = dist_checkpointing.save(
             sd, path, async_sharded_save=bool(self.async_queue),
             content_metadata=OPTIM_METADATA)
+        if self.async_queue is not None and request.async_fn is not None:
+            request = request._replace(
+                async_fn=partial(_writer, request.async_fn, it, os.getpid()))
 
         def finalize():
+            fault_point("save-tracker", iteration=it)  # files written, tracker not yet
             if torch.distributed.get_rank() == 0:
                 _write_tracker(root, it)
             print_rank_0(f"saved checkpoint at iteration {it:7d} to {path} "
                          f"[{time.time() - t0:.2f} s]")
+            fault_point("save-done", iteration=it)
 
         if self.async_queue is None:
             torch.distributed.barrier()
@@ -277,7 +304,8 @@ class Checkpointer:
                 key = "model" if len(state.model) == 1 else f"model{i}"
                 chunk.module.load_state_dict(loaded[key], strict=True)
             if load_optim:
-                state.optimizer.load_state_dict(loaded["optimizer"])
+                # into the tensors REFT's snapshot layout already holds
+                optimizer_state.load_state_dict_in_place(state.optimizer, loaded["optimizer"])
                 optimizer_state.set_adam_steps(state.optimizer, loaded["adam_steps"])  # bug 3
                 state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if load_rng:

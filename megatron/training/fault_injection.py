@@ -1,16 +1,57 @@
-"""``--inject-fault RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]][,...]``: kill ranks at an
-iteration, on one torchrun attempt (the first by default).
+"""``--inject-fault SPEC[,SPEC...]``: faults at a chosen moment of a run (tests, demos and
+tools/chaos.py), each ``SPEC`` being
 
-The fault fires during iteration ITER on global rank RANK, after its forward and backward
-passes and right before its optimizer step (so ITER-1 iterations are complete everywhere,
-and under ``--reft-schedule has`` the snapshot of ITER-1, copied during ITER's passes, is
-committed), and only while ``TORCHELASTIC_RESTART_COUNT`` equals ATTEMPT (default 0; unset outside
-torchrun counts as 0), so the job restarted by torchrun runs through. Before the signal is
-sent, one line ``[FAULT] ...`` is printed and flushed: tests assert on it to prove the
-fault really fired. MODE (REFT runs):
+    RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]][@PHASE]
+
+The fault fires on global rank RANK, during iteration ITER, at the moment PHASE (default
+``step``), and only while the job's attempt (``TORCHELASTIC_RESTART_COUNT``, plus
+``REFT_NODE_GENERATION`` under tools/launch_nodes.py; unset outside torchrun counts as 0)
+equals ATTEMPT (default 0), so the job restarted by torchrun runs through. Each spec
+fires at most once per process. Before the signal is sent, one line
+
+    [FAULT] injecting SIGKILL into rank R (pid P) at iteration ITER, phase PHASE ...
+
+is printed and flushed: tests assert on it to prove the fault really fired. SIGNAL is a
+name (``SIGKILL``/``KILL``, ``TERM``, ``STOP``: a hang that REFT's hang monitor or the
+node watcher must end, ``CONT``: no stop at all) or a number; default SIGKILL.
+
+PHASE (the moment inside iteration ITER; each is a ``reft_ext.testing.fault_point(PHASE,
+iteration=ITER)`` in the code):
+
+trainer side
+* ``forward`` / ``backward``: the rank starts computing a micro-batch's forward /
+  backward pass (the first one of ITER);
+* ``send`` / ``recv``: the rank starts a pipeline p2p exchange that sends / receives
+  activations or gradients (needs pipeline parallelism);
+* ``step`` (default): after the rank's forward and backward passes, right before its
+  optimizer step (so ITER-1 iterations are complete everywhere and, under
+  ``--reft-schedule has``, the snapshot of ITER-1 copied during ITER's passes is
+  committed);
+* ``save``: the persistent checkpoint of iteration ITER (``--save``) is about to be
+  written; ``save-tracker``: its files are written, the tracker file
+  (latest_checkpointed_iteration.txt) not yet; ``save-done``: after the tracker;
+  ``save-async``: inside the background write of an ``--async-save`` checkpoint;
+* ``health``: as the start-up health check (``--reft-health-check``) begins, before its
+  checks and before any state is loaded. Here ITER is the iteration the attempt resumes
+  from (the newest committed REFT snapshot of any rank or the persistent tracker's
+  iteration, whichever is newer; 0 for a fresh start) and ATTEMPT the job-wide attempt
+  (the highest restart count among the ranks); ITER 0 is allowed for this phase only;
+
+library side (REFT runs; reft_ext calls them)
+* ``has-copy``: a HAS unit being copied; ``snapshot-write``: halfway through writing
+  iteration ITER's snapshot; ``commit``: inside the job-wide commit agreement of ITER's
+  snapshot (after the all-reduce, before the commit pointer moves); ``aor``: the AOR
+  transport of iteration ITER; ``load-read`` / ``load-exchange`` / ``load-rebuild``:
+  REFT-load while recovering (ITER = the iteration being restored); ``flush``: the node
+  watcher flushing a snapshot to disk (the watcher is a process of its own: this phase is
+  set through ``REFT_WATCHER_FAULT=flush:NODE[:ATTEMPT]``, tools/chaos.py does;
+  ``--inject-fault ...@flush`` is refused).
+
+MODE:
 
 * ``node``: the rank's failure domain loses its shared memory too (a lost node);
-* ``snapshot``: the kill lands halfway through writing iteration ITER's snapshot;
+* ``snapshot``: the same as ``@snapshot-write`` (the kill lands halfway through writing
+  iteration ITER's snapshot); kept from the grammar without phases;
 * ``corrupt``: one byte of the rank's last committed snapshot (its own slice) is
   flipped first;
 * ``corrupt-replica``: one byte of the ARC replica the rank holds in that snapshot (its
@@ -19,19 +60,32 @@ fault really fired. MODE (REFT runs):
   value changed (the restored consumed-samples counter one global batch ahead) and its
   stored checksum kept;
 * ``corrupt-committed``: the rank's commit pointer is rewritten the same way, naming the
-  iteration after the committed one.
+  iteration after the committed one;
+* ``shm-full``: no signal (SIGNAL is ignored): from that moment the rank's next
+  shared-memory space reservation (reft_ext/store/shm.py: a segment created or grown)
+  fails with ENOSPC, as on a full /dev/shm. REFT reserves all its snapshot slots when
+  its session opens, so that reservation is the next session opening of the rank: use
+  ``@health`` (before the session opens), e.g. on the attempt after a ``node`` fault
+  wiped the rank's slots. REFT then stops the rank with its ShmSpaceError line
+  (``error: shared-memory segment ... needs N more bytes ...``) and the restart finds
+  the last good snapshots intact. Mid-run the slots are reserved already: a full
+  /dev/shm takes no page from a snapshot, the fault stays armed and nothing fails.
 
 With SIGNAL ``CONT`` (a signal that does not stop the process) a corrupt mode only
 corrupts: the rank trains on, and the damage lies in host memory until a later
 recovery reads it (two corruptions on two ranks, one kill: no race between them).
 
-This module decides when a fault fires; the REFT part of a mode (wiping, corrupting,
-the moment halfway through a snapshot write) is reft_ext/testing/faults.py, reached
-through reft_ext.testing.fault_point (nothing there unless REFT installed its observer).
+This module decides when a fault fires: :func:`install` puts one :class:`FaultObserver`
+behind :func:`reft_ext.testing.fault_point` on every rank named in ``--inject-fault``
+(REFT on or off); a plain run installs nothing and every fault point costs one ``None``
+test. The REFT part of a mode (wiping, corrupting) is reft_ext/testing/faults.py's
+:class:`~reft_ext.testing.faults.ReftFaults`, which the observer delegates to once REFT's
+session is open.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -39,10 +93,24 @@ import time
 from dataclasses import dataclass
 
 from megatron.training.errors import ArgumentError
-from reft_ext.testing import fault_point
+from reft_ext.testing import fault_point, get_fault_observer, set_fault_observer
 
 CORRUPT_MODES = ("corrupt", "corrupt-replica", "corrupt-manifest", "corrupt-committed")
-MODES = ("", "node", "snapshot", *CORRUPT_MODES)
+MODES = ("", "node", "snapshot", "shm-full", *CORRUPT_MODES)
+
+# the moments, in the order of an iteration (docstring above)
+SEAM_PHASES = ("forward", "backward", "send", "recv")  # through megatron-core's timers
+SAVE_PHASES = ("save", "save-tracker", "save-done", "save-async")
+TRAINER_PHASES = (*SEAM_PHASES, "step", *SAVE_PHASES, "health")
+LIBRARY_PHASES = ("has-copy", "snapshot-write", "commit", "aor", "load-read",
+                  "load-exchange", "load-rebuild", "flush")
+PHASES = (*TRAINER_PHASES, *LIBRARY_PHASES)
+DEFAULT_PHASE = "step"
+# fault points that are requests to REFT's ReftFaults, not moments
+REFT_POINTS = ("node-loss", "corrupt")
+SHM_RESERVE = "shm-reserve"  # reft_ext/store/shm.py, before posix_fallocate
+
+GRAMMAR = "RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]][@PHASE]"
 
 
 @dataclass(frozen=True)
@@ -52,25 +120,43 @@ class FaultSpec:
     signal: int = signal.SIGKILL
     mode: str = ""
     attempt: int = 0
+    phase: str = DEFAULT_PHASE
+
+    def __str__(self) -> str:
+        return format_fault_spec(self)
+
+
+def _err(msg: str) -> ArgumentError:
+    return ArgumentError(f"--inject-fault: {msg}")
 
 
 def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
-    """Parse ``RANK:ITER[:SIGNAL]`` (SIGNAL as a name like SIGKILL/KILL/TERM or a number)."""
-    parts = spec.split(":")
+    """Parse one ``RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]][@PHASE]`` (SIGNAL as a name like
+    SIGKILL/KILL/TERM or a number). ``MODE`` snapshot is read as ``@snapshot-write``."""
+    body, at, phase = spec.partition("@")
+    if at and not phase:
+        raise _err(f"empty phase after '@' in {spec!r}; phases: {', '.join(PHASES)}")
+    phase = phase.strip() if at else DEFAULT_PHASE
+    if phase not in PHASES:
+        raise _err(f"unknown phase {phase!r} in {spec!r}; phases: {', '.join(PHASES)}")
+    parts = body.split(":")
     if len(parts) not in (2, 3, 4, 5):
-        raise ArgumentError(f"--inject-fault: expected RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]], "
-                            f"got {spec!r}")
+        raise _err(f"expected {GRAMMAR}, got {spec!r}")
     mode = parts[3] if len(parts) >= 4 else ""
     attempt = parts[4] if len(parts) == 5 else "0"
     if not attempt.isdigit():
-        raise ArgumentError(f"--inject-fault: ATTEMPT must be an integer, got {attempt!r}")
+        raise _err(f"ATTEMPT must be an integer, got {attempt!r}")
     if mode not in MODES:
-        raise ArgumentError(f"--inject-fault: unknown mode {mode!r} "
-                            f"({', '.join(m for m in MODES if m)})")
+        raise _err(f"unknown mode {mode!r} ({', '.join(m for m in MODES if m)})")
+    if mode == "snapshot":
+        if at and phase != "snapshot-write":
+            raise _err(f"mode snapshot is the phase snapshot-write, not {phase!r} "
+                       f"(in {spec!r})")
+        phase = "snapshot-write"
     try:
         rank, iteration = int(parts[0]), int(parts[1])
     except ValueError:
-        raise ArgumentError(f"--inject-fault: RANK and ITER must be integers, got {spec!r}")
+        raise _err(f"RANK and ITER must be integers, got {spec!r}") from None
     sig = signal.SIGKILL
     if len(parts) >= 3 and parts[2]:
         name = parts[2].upper()
@@ -78,17 +164,58 @@ def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
             sig = signal.Signals(int(name)) if name.isdigit() else \
                 signal.Signals[name if name.startswith("SIG") else "SIG" + name]
         except (KeyError, ValueError):
-            raise ArgumentError(f"--inject-fault: unknown signal {parts[2]!r}")
+            raise _err(f"unknown signal {parts[2]!r}") from None
     if rank < 0 or (world_size is not None and rank >= world_size):
-        raise ArgumentError(f"--inject-fault: rank {rank} is outside the world of "
-                            f"{world_size} ranks")
-    if iteration < 1:
-        raise ArgumentError(f"--inject-fault: iteration must be >= 1, got {iteration}")
-    return FaultSpec(rank, iteration, int(sig), mode, int(attempt))
+        raise _err(f"rank {rank} is outside the world of {world_size} ranks")
+    lowest = 0 if phase == "health" else 1  # health: the iteration resumed from
+    if iteration < lowest:
+        raise _err(f"iteration must be >= {lowest}"
+                   f"{'' if lowest == 0 else ' (0 only with @health)'}, got {iteration}")
+    return FaultSpec(rank, iteration, int(sig), "" if mode == "snapshot" else mode,
+                     int(attempt), phase)
 
 
 def parse_fault_specs(text: str, world_size: int | None = None) -> list[FaultSpec]:
-    return [parse_fault_spec(p, world_size) for p in text.split(",") if p]
+    return [parse_fault_spec(p.strip(), world_size) for p in text.split(",") if p.strip()]
+
+
+def format_fault_spec(spec: FaultSpec) -> str:
+    """The spec as ``--inject-fault`` reads it back (``parse_fault_spec`` round trip)."""
+    out = f"{spec.rank}:{spec.iteration}:{signal.Signals(spec.signal).name}:{spec.mode}" \
+          f":{spec.attempt}"
+    return out if spec.phase == DEFAULT_PHASE else f"{out}@{spec.phase}"
+
+
+def check_fault_phases(specs, args) -> None:
+    """Refuse a phase that this run can never reach (a fault that would silently never
+    fire): p2p without pipeline parallelism, a save phase without --save, ..."""
+    for spec in specs:
+        p, why = spec.phase, None
+        if p in ("send", "recv") and getattr(args, "pipeline_model_parallel_size", 1) <= 1:
+            why = "needs pipeline parallelism (--pipeline-model-parallel-size > 1)"
+        elif p in SAVE_PHASES and not getattr(args, "save", None):
+            why = "needs --save (a persistent checkpoint being written)"
+        elif p == "save-async" and not getattr(args, "async_save", False):
+            why = "needs --async-save"
+        elif p in LIBRARY_PHASES and not getattr(args, "reft_snapshot_every", 0):
+            why = "needs REFT snapshots (--reft-snapshot-every N)"
+        elif p == "flush":  # the node watcher is a process of its own, not a rank
+            why = ("is the node watcher's, a process of its own: set "
+                   "REFT_WATCHER_FAULT=flush:NODE[:ATTEMPT] in the workers' environment "
+                   "(reft_ext/cluster/watcher.py) instead")
+        elif p == "has-copy" and getattr(args, "reft_schedule", "has") == "end-of-iteration":
+            why = ("needs a background snapshot copy (--reft-schedule has or host-thread; "
+                   "end-of-iteration copies inline)")
+        elif p == "aor" and "aor" not in str(getattr(args, "reft_protect", "")).split(","):
+            why = "needs AOR (--reft-protect ...,aor)"
+        elif p == "health":
+            from reft_ext.cluster.health_config import HealthConfig
+
+            if not HealthConfig.from_args(args).enabled(args.reft_snapshot_every):
+                why = ("needs the start-up health check (--reft-health-check on, or auto "
+                       "with --reft-snapshot-every N)")
+        if why:
+            raise _err(f"{format_fault_spec(spec)}: phase {p} {why}")
 
 
 def attempt() -> int:
@@ -100,38 +227,116 @@ def attempt() -> int:
             int(os.environ.get("REFT_NODE_GENERATION", "0")))
 
 
+# ---- the observer --------------------------------------------------------------------
+class FaultObserver:
+    """The one observer of :func:`reft_ext.testing.fault_point` on a rank named in
+    ``--inject-fault``. ``observer(point, iteration=IT, **info)``:
+
+    * ``point`` one of PHASES: fires every spec of this rank with that phase and
+      iteration on this attempt (``info["attempt"]`` overrides the process's, the health
+      check passes the job-wide one), each at most once per process;
+    * ``point`` one of REFT_POINTS ("node-loss", "corrupt"): handed to ``self.reft`` (a
+      :class:`reft_ext.testing.faults.ReftFaults`, set when REFT's session opens);
+    * ``point`` "shm-reserve" (reft_ext/store/shm.py): raises ENOSPC once after a
+      ``shm-full`` fault fired;
+    * anything else: ignored.
+    """
+
+    def __init__(self, specs, rank: int):
+        self.rank = rank
+        self.specs = [s for s in specs if s.rank == rank]
+        self.fired: set[FaultSpec] = set()
+        self.reft = None          # ReftFaults, once REFT's session is open
+        self.shm_full = False     # the next shared-memory reservation fails (shm-full)
+
+    def wants(self, phase: str, att: int | None = None) -> bool:
+        """Is a spec of this phase still to fire (on attempt ``att``, default this
+        process's)? Lets a caller skip work done only to name the iteration."""
+        att = attempt() if att is None else att
+        return any(s.phase == phase and s.attempt == att and s not in self.fired
+                   for s in self.specs)
+
+    def __call__(self, point: str, iteration: int | None = None, **info) -> None:
+        if point in REFT_POINTS:
+            if self.reft is not None:
+                self.reft(point, iteration=iteration, **info)
+            return
+        if point == SHM_RESERVE:
+            if self.shm_full:
+                self.shm_full = False
+                raise OSError(errno.ENOSPC, f"[FAULT] injected: no space left on the "
+                                            f"shared-memory filesystem ({info.get('path')})")
+            return
+        att = info.get("attempt")
+        att = attempt() if att is None else att
+        for spec in self.specs:
+            if spec.phase == point and spec.iteration == iteration and \
+                    spec.attempt == att and spec not in self.fired:
+                self.fired.add(spec)
+                self.fire(spec)
+
+    def fire(self, spec: FaultSpec) -> None:
+        from megatron.training.utils import emit  # (imports torch: not at flag parsing)
+
+        where = f"at iteration {spec.iteration}, phase {spec.phase}" + \
+            (" (during its snapshot write)" if spec.phase == "snapshot-write" else "")
+        if spec.mode == "shm-full":
+            self.shm_full = True
+            emit(f"[FAULT] shared memory full for rank {spec.rank} (pid {os.getpid()}) "
+                 f"{where}: its next space reservation fails with ENOSPC")
+            sys.stdout.flush()
+            return
+        if spec.mode == "node":  # REFT (if on) wipes the failure domain's shared memory
+            fault_point("node-loss", iteration=spec.iteration)
+        if spec.mode in CORRUPT_MODES:  # REFT (if on) damages the last committed snapshot
+            fault_point("corrupt", iteration=spec.iteration, mode=spec.mode)
+        name = signal.Signals(spec.signal).name
+        emit(f"[FAULT] injecting {name} into rank {spec.rank} (pid {os.getpid()}) {where}"
+             f"{' (node loss)' if spec.mode == 'node' else ''}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), spec.signal)
+        # a catchable signal (SIGTERM with --exit-signal-handler) lets the process go on;
+        # give the handler a moment to run before training continues
+        time.sleep(0.1)
+
+
+def install(specs, rank: int) -> FaultObserver | None:
+    """Put this rank's observer behind fault_point when ``--inject-fault`` names it
+    (REFT on or off); None (nothing installed: fault points stay free) otherwise."""
+    if not any(s.rank == rank for s in specs or ()):
+        return None
+    obs = FaultObserver(specs, rank)
+    set_fault_observer(obs)
+    return obs
+
+
+def observer() -> FaultObserver | None:
+    """The installed observer of this process, if it is ours."""
+    obs = get_fault_observer()
+    return obs if isinstance(obs, FaultObserver) else None
+
+
+def wants(phase: str, att: int | None = None) -> bool:
+    """Does this rank have a fault of ``phase`` still to fire? (False without one)."""
+    obs = observer()
+    return obs is not None and obs.wants(phase, att)
+
+
 def maybe_inject_fault(specs, rank: int, iteration: int) -> None:
-    """Call before the optimizer step of ``iteration``."""
-    for spec in specs or ():
-        if rank == spec.rank and iteration == spec.iteration and spec.mode != "snapshot":
-            fire(spec, f"at iteration {iteration}")
+    """The ``step`` moment, before the optimizer step of ``iteration`` (the trainer
+    calls ``fault_point("step", ...)``; this is the same for callers holding specs)."""
+    obs = observer()
+    if obs is None and any(s.rank == rank for s in specs or ()):
+        obs = install(specs, rank)
+    fault_point("step", iteration=iteration)
 
 
-def fire_in_snapshot(specs, iteration: int) -> None:
-    """Halfway through writing ``iteration``'s snapshot (reft_ext/testing/faults.py calls
-    this from the snapshot write): this rank's ``snapshot`` faults of that iteration."""
-    for spec in specs or ():
-        if spec.mode == "snapshot" and spec.iteration == iteration:
-            fire(spec, "during its snapshot write")
-
-
-def fire(spec: FaultSpec, when: str) -> None:
+def fire(spec: FaultSpec, when: str = "") -> None:
+    """Fire ``spec`` now on this rank (if the attempt matches), whatever its phase."""
     if attempt() != spec.attempt:
         return
-    if spec.mode == "node":  # REFT (if on) wipes the failure domain's shared memory
-        fault_point("node-loss")
-    if spec.mode in CORRUPT_MODES:  # REFT (if on) damages the last committed snapshot
-        fault_point("corrupt", mode=spec.mode)
-    name = signal.Signals(spec.signal).name
-    from megatron.training.utils import emit  # (imports torch: not at flag parsing)
-
-    emit(f"[FAULT] injecting {name} into rank {spec.rank} (pid {os.getpid()}) {when}"
-          f"{' (node loss)' if spec.mode == 'node' else ''}")
-    sys.stderr.flush()
-    os.kill(os.getpid(), spec.signal)
-    # a catchable signal (SIGTERM with --exit-signal-handler) lets the process go on; give
-    # the handler a moment to run before training continues
-    time.sleep(0.1)
+    (observer() or FaultObserver([spec], spec.rank)).fire(spec)
 
 
 # ---- loss spikes (tests of --reft-rollback-on) -----------------------------------------

@@ -74,3 +74,27 @@ def set_adam_steps(optimizer, steps: list) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
                 opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def load_state_dict_in_place(optimizer, state_dict) -> None:
+    """``optimizer.load_state_dict`` that keeps every Adam state tensor object.
+
+    torch's ``Optimizer.load_state_dict`` (under megatron's non-distributed optimizers)
+    builds new moment tensors, so anything that captured the old ones - REFT's snapshot
+    layout is built when its session opens, before the persistent load - would go on
+    copying tensors the optimizer no longer uses: every later snapshot would hold the
+    moments of before the load. The loaded values are copied into the tensors that were
+    there, which are then put back."""
+    before = [{k: v for k, v in st.items() if torch.is_tensor(v)}
+              for _, st in main_params_and_states(optimizer)]
+    optimizer.load_state_dict(state_dict)
+    after = list(main_params_and_states(optimizer))
+    if len(after) != len(before):
+        return  # a different param set: nothing captured can be meant to survive
+    for old, (_, st) in zip(before, after):
+        for key, tensor in old.items():
+            new = st.get(key)
+            if (torch.is_tensor(new) and new is not tensor and new.shape == tensor.shape
+                    and new.dtype == tensor.dtype):
+                tensor.copy_(new)
+                st[key] = tensor

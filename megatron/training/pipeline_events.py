@@ -11,7 +11,9 @@ come from"):
   stage is blocked in it (a bubble). With ``overlap_p2p_comm`` the exchange only posts
   requests; their ``wait()`` is wrapped instead, so the real waits are seen either way.
 
-Both report to a :class:`reft_ext.report.timeline.PipelineEvents`. ``check_seams()`` verifies
+Both report to a :class:`reft_ext.report.timeline.PipelineEvents`. The timers are also the
+seam of ``--inject-fault ...@forward|backward|send|recv`` (megatron/training/
+fault_injection.py): a rank with such a fault gets them even when no events are wanted. ``check_seams()`` verifies
 that megatron-core still has the signatures this relies on; tests/integration/test_has.py runs it,
 so an upgrade that moves them fails a test rather than silently losing the bubbles.
 """
@@ -26,33 +28,57 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from reft_ext.report.timeline import PipelineEvents
+from reft_ext.testing import fault_point
 
 COMPUTE_PHASES = ("forward-compute", "backward-compute")
 _SCHEDULE_GROUPS = ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"]
 
 
+def fault_phases(name: str) -> tuple[str, ...]:
+    """The ``--inject-fault`` phases a timer starts: forward-compute -> forward,
+    backward-compute -> backward, a p2p timer -> send and/or recv
+    (backward-send-forward-recv -> send, recv)."""
+    if name == "forward-compute":
+        return ("forward",)
+    if name == "backward-compute":
+        return ("backward",)
+    return tuple(p for p in ("send", "recv") if p in name)
+
+
 class _PhaseTimer:
-    __slots__ = ("owner", "name")
+    __slots__ = ("owner", "name", "faults")
 
     def __init__(self, owner: PhaseTimers, name: str):
         self.owner, self.name = owner, name
+        self.faults = fault_phases(name)
 
     def start(self, barrier: bool = False) -> None:
-        if self.name in COMPUTE_PHASES:
-            self.owner.events.phase_begin(self.name)
-        elif "send" in self.name or "recv" in self.name:
-            self.owner.p2p_phase = self.name
+        owner = self.owner
+        if owner.events is not None:
+            if self.name in COMPUTE_PHASES:
+                owner.events.phase_begin(self.name)
+            elif "send" in self.name or "recv" in self.name:
+                owner.p2p_phase = self.name
+        if owner.iteration is not None:  # --inject-fault ...@forward|backward|send|recv
+            for phase in self.faults:  # (after phase_begin: a rank frozen here computes)
+                fault_point(phase, iteration=owner.iteration)
 
     def stop(self, barrier: bool = False) -> None:
-        if self.name in COMPUTE_PHASES:
+        if self.name in COMPUTE_PHASES and self.owner.events is not None:
             self.owner.events.phase_end(self.name)
 
 
 class PhaseTimers:
-    """A ``config.timers`` callable: ``timers(name, log_level=None)`` -> start/stop."""
+    """A ``config.timers`` callable: ``timers(name, log_level=None)`` -> start/stop.
 
-    def __init__(self, events: PipelineEvents):
+    ``events`` (None: only faults) get the compute phases and the running p2p phase;
+    ``iteration``, set by the trainer for each training step (None while evaluating or
+    when no fault of these phases is asked for), names the iteration whose phases pass
+    :func:`reft_ext.testing.fault_point` (``--inject-fault ...@forward`` ...)."""
+
+    def __init__(self, events: PipelineEvents | None):
         self.events = events
+        self.iteration: int | None = None
         self.p2p_phase = "p2p"
         self._timers: dict[str, _PhaseTimer] = {}
 
@@ -103,12 +129,13 @@ class EventP2PCommunicator(P2PCommunicator):
             self.events.wait_end()
 
 
-def install(config, events: PipelineEvents) -> dict:
+def install(config, events: PipelineEvents | None) -> dict:
     """Point ``config.timers`` at the events and return the extra keyword arguments for
-    the forward-backward function (a communicator that reports waits), {} without PP."""
+    the forward-backward function (a communicator that reports waits), {} without PP.
+    ``events`` None: only the fault seam (the timers), megatron-core's own communicator."""
     timers = PhaseTimers(events)
     config.timers = timers
-    if mpu.get_pipeline_model_parallel_world_size() == 1:
+    if events is None or mpu.get_pipeline_model_parallel_world_size() == 1:
         return {}
     comm = EventP2PCommunicator(mpu.get_pipeline_model_parallel_group(), config, events,
                                 timers)

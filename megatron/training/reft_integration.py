@@ -28,7 +28,6 @@ import os
 import signal
 import sys
 import time
-from functools import partial
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -43,6 +42,7 @@ from reft_ext.config import ReftConfig
 from reft_ext.load.rollback import RollbackConfig
 from reft_ext.report.events import emit as reft_emit, record
 from reft_ext.session import DisabledSession, ReftSession
+from reft_ext.testing import fault_point  # --inject-fault moments (no-op in production)
 
 
 # ---- the state adapter -------------------------------------------------------------
@@ -126,6 +126,12 @@ def pipeline_events(args, transformer_config):
     run calls megatron-core exactly as Megatron-LM does."""
     cfg = ReftConfig.from_args(args)
     if not (cfg.enabled or cfg.trace_file):
+        if any(fault_injection.wants(p) for p in fault_injection.SEAM_PHASES):
+            # --inject-fault ...@forward|backward|send|recv on this rank: the timers seam
+            # only (no events, megatron-core's own p2p communicator)
+            from megatron.training import pipeline_events as events_mod
+
+            events_mod.install(transformer_config, None)
         return None, {}, None
     from megatron.training import pipeline_events as events_mod
     from reft_ext.report.timeline import PipelineEvents
@@ -142,8 +148,9 @@ def pipeline_events(args, transformer_config):
 
 def open_session(args, state: TrainingState, faults=(), events=None, trace_group=None):
     """REFT's session for this rank (reft_ext/session.py): a DisabledSession when
-    snapshots are off. ``faults``: the parsed ``--inject-fault`` specs; a rank named
-    there gets REFT's test observer (reft_ext/testing/faults.py)."""
+    snapshots are off. ``faults``: the parsed ``--inject-fault`` specs; on a rank named
+    there the fault observer (installed by the trainer, or here) gets REFT's damage
+    (reft_ext/testing/faults.py)."""
     cfg = ReftConfig.from_args(args)
     if not cfg.enabled:
         return DisabledSession(cfg.trace_file, events, trace_group)
@@ -153,11 +160,11 @@ def open_session(args, state: TrainingState, faults=(), events=None, trace_group
     session = ReftSession(cfg, adapter, state, events=events, trace_group=trace_group,
                           rollback=RollbackConfig.from_args(args),
                           fused_load=not args.no_load_optim)
-    mine = [f for f in faults if f.rank == adapter.rank]
-    if mine:  # tests and demos: the REFT part of this rank's --inject-fault modes
+    obs = fault_injection.observer() or fault_injection.install(faults, adapter.rank)
+    if obs is not None:  # tests and demos: the REFT part of this rank's --inject-fault modes
         from reft_ext.testing.faults import ReftFaults
 
-        ReftFaults(session, partial(fault_injection.fire_in_snapshot, mine)).install()
+        obs.reft = ReftFaults(session)
     return session
 
 
@@ -183,12 +190,17 @@ def _job_attempt(mine: int, timeout_s: int) -> int:
     """The highest attempt any rank sees: an agent restarted for a membership change
     (other agents already waiting in the rendezvous before its own workers failed) does
     not count a restart, so the agents of one job can disagree on the count."""
+    return _job_max([mine], timeout_s)[0]
+
+
+def _job_max(mine: list[int], timeout_s: int) -> list[int]:
+    """Element-wise maximum of every rank's ``mine`` (gloo, the check's timeout)."""
     pg = torch.distributed.new_group(backend="gloo",
                                      timeout=datetime.timedelta(seconds=timeout_s))
-    t = torch.tensor([mine], dtype=torch.int64)
+    t = torch.tensor(mine, dtype=torch.int64)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
     torch.distributed.destroy_process_group(pg)
-    return int(t.item())
+    return [int(x) for x in t.tolist()]
 
 
 def shrink_plan(args, hc: HealthConfig, report, ranks_per_node: int) -> tuple[bool, str]:
@@ -226,6 +238,32 @@ def shrink_plan(args, hc: HealthConfig, report, ranks_per_node: int) -> tuple[bo
                   f"that fits the new layout")
 
 
+def resume_iteration(args, cfg: ReftConfig, rank: int) -> int:
+    """The iteration this attempt will resume from as far as this rank can tell before
+    the load: the newer of its committed REFT snapshot (its commit pointer in host
+    memory) and the persistent tracker of --load; 0 for a fresh start. The ``health``
+    fault phase's ITER is the maximum over the ranks (a rank whose node was lost has no
+    pointer)."""
+    from megatron.training.checkpointing import CheckpointError, read_tracker
+    from reft_ext.store.paths import node_dir
+    from reft_ext.store.slots import read_sealed
+
+    its = [0]
+    path = os.path.join(node_dir(cfg.shm_dir, cfg.job_id, cfg.node_of(rank)),
+                        f"rank{rank}.committed")
+    try:
+        pointer, _ = read_sealed(path)
+        its.append(int((pointer or {}).get("iteration", 0)))
+    except (OSError, ValueError, TypeError):
+        pass
+    if args.load and os.path.isdir(args.load):
+        try:
+            its.append(read_tracker(args.load) or 0)
+        except CheckpointError:
+            pass
+    return max(its)
+
+
 def startup_health_check(args) -> bool:
     """Run the check if enabled; returns whether it ran. Does not return when a node
     failed (the process leaves the job or the job stops)."""
@@ -236,8 +274,17 @@ def startup_health_check(args) -> bool:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rpn, node = cfg.ranks_per_node, rank // cfg.ranks_per_node
     attempt, inject = fault_injection.attempt(), None
-    if hc.injection:  # tests and demos only
+    # tests and demos only; every rank parses the same flags, so all or none of them
+    # take part in the collective
+    if any(f.phase == "health" for f in
+           fault_injection.parse_fault_specs(args.inject_fault or "")):
+        # --inject-fault ...@health: ITER is the iteration the job resumes from
+        attempt, resume = _job_max([attempt, resume_iteration(args, cfg, rank)],
+                                   hc.health_timeout)
+        fault_point("health", iteration=resume, attempt=attempt)
+    elif hc.injection:
         attempt = _job_attempt(attempt, hc.health_timeout)
+    if hc.injection:
         inject = hc.injection[:2] if hc.injection[2] == attempt else None
     if inject and inject[0] == node and rank % rpn == 0:
         emit(f"[FAULT] node {node} (rank {rank}) made to fail the {inject[1]} health check "

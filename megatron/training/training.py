@@ -20,16 +20,17 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 
-from megatron.training import llama_model
+from megatron.training import fault_injection, llama_model
 from megatron.training.checkpointing import Checkpointer
-from megatron.training.fault_injection import (maybe_inject_fault, maybe_inject_spike,
-                                              parse_fault_specs, parse_spike_specs)
+from megatron.training.fault_injection import (maybe_inject_spike, parse_fault_specs,
+                                              parse_spike_specs)
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
 from megatron.training.signals import ExitSignal
 from megatron.training.train_log import TrainLogger
 from megatron.training.train_state import TrainingState, params_hash
 from megatron.training.utils import emit, is_last_rank, print_rank_0, process_start_time
+from reft_ext.testing import fault_point  # --inject-fault moments (no-op in production)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -82,6 +83,9 @@ class Trainer:
         self.marks = [("imports", time.time())]
         initialize_megatron(args)
         self.marks.append(("distributed init", time.time()))
+        # --inject-fault: this rank's fault observer, before the health check (a phase)
+        self.faults = parse_fault_specs(args.inject_fault) if args.inject_fault else []
+        fault_injection.install(self.faults, torch.distributed.get_rank())
         from megatron.training import reft_integration
 
         # before any state is built or loaded: a node that fails leaves (or stops) the job
@@ -105,7 +109,6 @@ class Trainer:
         # plain run calls megatron-core exactly as Megatron-LM does
         self.events, self.fb_kwargs, self.trace_group = \
             reft_integration.pipeline_events(args, cfg)
-        self.faults = parse_fault_specs(args.inject_fault) if args.inject_fault else []
         self.spikes = parse_spike_specs(args.inject_spike) if args.inject_spike else []
         self.spikes_fired: set = set()
         self.skip_batches = [tuple(int(x) for x in p.split(":"))
@@ -189,6 +192,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         s.optimizer.zero_grad()
         ev = self.events
+        self._phase_iteration(s.iteration + 1)
         if ev:
             ev.step_begin(s.iteration + 1)
         self.timers("forward-backward", log_level=0).start()
@@ -198,7 +202,7 @@ class Trainer:
             ev.step_end()
         for hook in self.hooks:  # REFT: the snapshot in flight completes before the step
             hook.before_optimizer_step(s)
-        maybe_inject_fault(self.faults, torch.distributed.get_rank(), s.iteration + 1)
+        fault_point("step", iteration=s.iteration + 1)  # --inject-fault (fault_injection.py)
         if self.spikes:
             maybe_inject_spike(self.spikes, torch.distributed.get_rank(), s.iteration + 1,
                                s.model, self.spikes_fired)
@@ -213,8 +217,16 @@ class Trainer:
             s.scheduler.step(increment=args.global_batch_size)
         return _reduce_losses(losses), (0 if ok else 1), grad_norm
 
+    def _phase_iteration(self, iteration: int | None) -> None:
+        """The iteration whose forward/backward/p2p phases reach the fault points
+        (pipeline_events.PhaseTimers; None: evaluation, no faults)."""
+        timers = getattr(self.config, "timers", None)
+        if self.faults and hasattr(timers, "iteration"):
+            timers.iteration = iteration
+
     def evaluate(self):
         args, s = self.args, self.state
+        self._phase_iteration(None)
         for chunk in s.model:
             chunk.eval()
         totals = {}

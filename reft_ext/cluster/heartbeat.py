@@ -28,6 +28,13 @@ States, and why a running rank has two:
   the victims, yet a hang inside communication itself (every rank waiting) is still
   caught long before the collective timeout.
 
+Two refinements keep the verdict on the culprit alone. A computing rank that has slept in
+the kernel since its beat (no CPU time, not runnable) waits inside its compute phase for a
+peer - a tensor-parallel all-reduce in a layer's forward - and gets the waiting limit too.
+A stopped process (SIGSTOP, /proc state T) is the culprit whatever its last state, and
+gets the working limit: it is killed before the peers that wait for it, whose failed
+collectives then end them without a verdict of their own.
+
 A busy node is not a hung one: a rank's silence is wall time minus the time its main thread
 (the one that beats) spent runnable but waiting for a CPU since the beat: the kernel's run
 delay (/proc/<pid>/schedstat) plus a wait still in progress, as the watcher sees them from
@@ -52,6 +59,7 @@ PAUSED, WORKING, WAITING = 0, 1, 2
 STATE_NAMES = {PAUSED: "paused", WORKING: "computing", WAITING: "waiting for peers"}
 WAITING_FACTOR = 2  # a waiting rank's limit, in timeouts (see the module docstring)
 WORK_PHASES = ("forward-compute", "backward-compute")
+BLOCKED_MIN_S, BLOCKED_SHARE = 0.5, 0.25  # HangMonitor._blocked
 _REC = struct.Struct("<QqIId")  # seq, iteration, state, pid, t
 
 
@@ -67,7 +75,7 @@ class Heartbeat:
         self.path = path(node_dir, rank)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, _REC.size)
+            os.posix_fallocate(fd, 0, _REC.size)  # a full tmpfs: ENOSPC here, not SIGBUS
             self._mm = mmap.mmap(fd, _REC.size)
         finally:
             os.close(fd)
@@ -194,11 +202,23 @@ class HangMonitor:
         s = self._since.get(rank)
         if s is None or s["seq"] != seq:  # a new beat: the rank ran just now
             s = self._since[rank] = {"seq": seq, "waited": c[1], "counts": c[:2],
-                                     "ran_by": t, "look": t}
+                                     "ran_by": t, "look": t, "first": (t, c[0] + c[1])}
         elif c[:2] != s["counts"] or not c[2]:  # it ran (or slept) since the last look
             s["counts"], s["ran_by"] = c[:2], s["look"] if c[2] else t
-        s["look"] = t
+        s["look"], s["runnable"] = t, c[2]
         return c[1] - s["waited"] + (t - s["ran_by"] if c[2] else 0.0)
+
+    def _blocked(self, rank: int) -> bool:
+        """Asleep in the kernel since its beat, watched for at least BLOCKED_MIN_S: on a
+        CPU or queued for one less than BLOCKED_SHARE of that time. A computing rank
+        blocked like this waits inside its compute phase for a peer (a tensor-parallel
+        all-reduce of a layer's forward): a victim, given the waiting limit."""
+        s = self._since.get(rank)
+        if s is None or s["runnable"]:
+            return False
+        t0, busy0 = s["first"]
+        watched = s["look"] - t0
+        return watched >= BLOCKED_MIN_S and sum(s["counts"]) - busy0 < BLOCKED_SHARE * watched
 
     def check(self, now: float | None = None) -> list[dict]:
         now = time.monotonic() if now is None else now
@@ -208,8 +228,14 @@ class HangMonitor:
             # another pid: a previous incarnation's file, not this worker's
             if rec is None or rec["pid"] != pid or rec["state"] == PAUSED:
                 continue
+            proc = process_state(pid)
+            if proc in ("gone", "zombie"):  # dead, not hung: its agent sees the exit
+                continue
             starved = self._starved(rank, pid, rec["seq"])
-            limit = self.timeout * (WAITING_FACTOR if rec["state"] == WAITING else 1)
+            waiting = rec["state"] == WAITING or self._blocked(rank)
+            if proc.startswith("stopped"):  # frozen (SIGSTOP): the culprit, whatever it
+                waiting = False  # was doing, so it is killed before its waiting victims
+            limit = self.timeout * (WAITING_FACTOR if waiting else 1)
             silent = now - rec["t"]
             if silent - starved >= limit:
                 hung.append(dict(rec, rank=rank, silent=silent, starved=starved, limit=limit))

@@ -11,8 +11,13 @@ node's worker pids; when one dies (crash, or SIGTERM from a preempted agent):
 3. it copies every complete snapshot slot of the node's ranks (manifest present) and the
    commit pointers to ``--reft-flush-dir``: the manifest is removed first and renamed into
    place after the fsynced data, so a flush cut short never pairs a manifest with torn
-   bytes (and REFT-load verifies the checksums anyway). Both slots are kept because the
-   newest iteration every rank of the job holds may be the older one.
+   bytes (and REFT-load verifies the checksums anyway); a slot whose manifest changed
+   while its data was copied (a restarted worker already writing its next snapshot) is
+   left out. Both slots are kept because the newest iteration every rank of the job
+   holds may be the older one. A marker ``rank<r>.flushing`` per rank of the node is
+   written before the first file and removed after the last: a flush cut short (the
+   watcher killed, the node lost mid-flush) leaves it, and REFT-load never imports that
+   rank's flushed files (reft_ext/load/flushed.py), old or new.
 
 With ``--reft-hang-timeout`` it also reads the ranks' heartbeats (reft_ext/cluster/heartbeat.py):
 a rank silent past its limit is named in one ``[REFT] hang: ...`` line and in the node's
@@ -21,6 +26,10 @@ death like any other (steps 1-3), with the node's memory intact.
 
 When training ends normally the ranks mark the node FINISHED and the watcher just exits.
 Plain Python (no torch): it starts in milliseconds and costs one poll per 0.1 s.
+
+Tests: ``REFT_WATCHER_FAULT=flush:NODE[:ATTEMPT][,...]`` in the workers' environment makes
+node NODE's watcher of attempt ATTEMPT (default 0; counted as ``--inject-fault`` counts
+it) SIGKILL itself halfway through its flush (a ``[FAULT]`` line first).
 """
 
 from __future__ import annotations
@@ -43,6 +52,33 @@ from reft_ext.report.events import emit as reft_emit
 
 POLL_S = 0.1
 QUIESCE_S = 20.0  # torchrun stops the other workers within its own 30 s grace
+FAULT_ENV = "REFT_WATCHER_FAULT"
+FLUSHING = ".flushing"  # rank<r>.flushing in the flush dir: that rank's flush incomplete
+
+
+def fault_spec(node: int, attempt: int = 0) -> str:
+    """The :data:`FAULT_ENV` entry that kills node ``node``'s watcher of attempt
+    ``attempt`` halfway through its flush (join several with commas)."""
+    return f"flush:{node}:{attempt}"
+
+
+def _attempt() -> int:
+    """The attempt of the workers this watcher watches (megatron/training/
+    fault_injection.py counts the same way; the watcher inherits their environment)."""
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) +
+            int(os.environ.get("REFT_NODE_GENERATION", "0")))
+
+
+def flush_fault(node: int) -> bool:
+    """Is this node's watcher asked (:data:`FAULT_ENV`) to die halfway through its flush?"""
+    for part in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        bits = part.strip().split(":")
+        if bits[0] != "flush" or len(bits) not in (2, 3) or \
+                not all(b.isdigit() for b in bits[1:]):
+            continue  # not a flush fault this watcher understands
+        if int(bits[1]) == node and (int(bits[2]) if len(bits) == 3 else 0) == _attempt():
+            return True
+    return False
 
 
 def alive(pid: int) -> bool:
@@ -65,11 +101,41 @@ def _copy_durable(src: str, dst: str) -> None:
     os.replace(tmp, dst)
 
 
-def flush_node(node_dir: str, flush_dir: str) -> dict[int, list[int]]:
-    """Copy the node's complete snapshot slots to flush_dir; rank -> flushed iterations."""
+def _unchanged(mpath: str, text: str) -> bool:
+    """Is the slot's manifest still ``text``? A snapshot written into the slot deletes
+    it before its first byte (reft_ext/store/slots.py ``begin``), so the same text after
+    the data was copied means the data did not change meanwhile."""
+    try:
+        with open(mpath) as f:
+            return f.read() == text
+    except OSError:
+        return False
+
+
+def _die_halfway(node: int, flush_dir: str) -> None:
+    """(tests, :data:`FAULT_ENV`) the watcher killed in the middle of its flush."""
+    reft_emit("fault", f"watcher of node {node} (pid {os.getpid()}): SIGKILL halfway "
+              f"through its flush to {flush_dir}", prefix="[FAULT]", phase="flush",
+              node=node, pid=os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def flush_node(node_dir: str, flush_dir: str, node: int | None = None) -> dict[int, list[int]]:
+    """Copy the node's complete snapshot slots to flush_dir; rank -> flushed iterations.
+    Each rank's ``.flushing`` marker stays in flush_dir until the last file is copied.
+    ``node``: this node's number, for the test fault (:data:`FAULT_ENV`)."""
     os.makedirs(flush_dir, mode=0o700, exist_ok=True)
+    die = node is not None and flush_fault(node)
+    ranks = sorted({os.path.basename(p).split(".")[0] for p in
+                    glob.glob(os.path.join(node_dir, "rank*.slot*.json")) +
+                    glob.glob(os.path.join(node_dir, "rank*.committed"))})
+    markers = [os.path.join(flush_dir, r + FLUSHING) for r in ranks]
+    for m in markers:  # before anything of the rank is replaced
+        write_atomic(m, "flush in progress (a watcher cut short leaves this file)\n",
+                     durable=True)
     done: dict[int, list[int]] = {}
-    for mpath in sorted(glob.glob(os.path.join(node_dir, "rank*.slot*.json"))):
+    mpaths = sorted(glob.glob(os.path.join(node_dir, "rank*.slot*.json")))
+    for mpath in mpaths:
         name = os.path.basename(mpath)[:-len(".json")]
         try:
             with open(mpath) as f:
@@ -85,6 +151,11 @@ def flush_node(node_dir: str, flush_dir: str) -> dict[int, list[int]]:
             pass
         _copy_durable(os.path.join(node_dir, name + ".bin"), os.path.join(flush_dir,
                                                                           name + ".bin"))
+        if not _unchanged(mpath, text):
+            continue  # rewritten while copied (a restarted worker's next snapshot)
+        if die and sum(map(len, done.values())) >= len(mpaths) // 2:
+            # half the slots flushed, and this one's data but not its manifest
+            _die_halfway(node, flush_dir)
         write_atomic(os.path.join(flush_dir, name + ".json"), text, durable=True)
         done.setdefault(int(manifest["rank"]), []).append(int(manifest["iteration"]))
     for c in glob.glob(os.path.join(node_dir, "rank*.committed")):
@@ -92,6 +163,8 @@ def flush_node(node_dir: str, flush_dir: str) -> dict[int, list[int]]:
             _copy_durable(c, os.path.join(flush_dir, os.path.basename(c)))
         except OSError:
             pass
+    for m in markers:  # the rank's flush is whole
+        os.unlink(m)
     return done
 
 
@@ -153,7 +226,7 @@ def watch(a) -> int:
     if not a.flush_dir:
         return 0
     t0 = time.time()
-    done = flush_node(node_dir, a.flush_dir)
+    done = flush_node(node_dir, a.flush_dir, a.node)
     its = sorted({i for v in done.values() for i in v})
     msg = (f"flushed node {a.node}'s snapshots (ranks {sorted(done)}, iterations {its}) to "
            f"{a.flush_dir} in {time.time() - t0:.2f} s")

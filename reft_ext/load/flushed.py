@@ -32,6 +32,24 @@ def _read(path: str) -> dict | None:
     return obj
 
 
+def torn_flush(flush_dir: str, rank: int) -> bool:
+    """Was this rank's last flush cut short (its watcher killed midway, the marker that
+    reft_ext/cluster/watcher.py removes after the last file still there)? Then none of
+    its flushed files is imported: they may mix two flushes, or lack the commit pointer
+    that says which of them was committed job-wide. Reported once."""
+    path = os.path.join(flush_dir, f"rank{rank}.flushing")
+    if not os.path.exists(path):
+        return False
+    why = "marks a flush that was cut short"
+    if (path, why) not in _reported:
+        _reported.add((path, why))
+        from reft_ext.save.snapshotter import reft_print
+
+        reft_print(f"{path} {why}: rank {rank}'s flushed snapshots not used",
+                   event="untrusted_file", path=path, kind="flushed", why=why, rank=rank)
+    return True
+
+
 def flushed_manifests(flush_dir: str, rank: int) -> dict[int, dict]:
     """slot -> manifest of this rank's flushed slots whose data file is whole."""
     out = {}
@@ -52,6 +70,8 @@ def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | N
     """Put this rank's flushed slots into its store when they are newer than what memory
     holds; returns the newest imported iteration, or None."""
     if not flush_dir or not os.path.isdir(flush_dir):
+        return None
+    if torn_flush(flush_dir, store.rank):
         return None
     flushed = {s: m for s, m in flushed_manifests(flush_dir, store.rank).items()
                if m.get("nbytes") == nbytes and s in store.slots}

@@ -33,8 +33,11 @@ from reft_ext.load.view import SnapshotView
 from reft_ext.save.snapshotter import reft_print
 from reft_ext.state.regions import Region, Source
 from reft_ext.store.slots import from_jsonable
+from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 __all__ = ["recover", "recovery_tier", "owned_source", "plan_recovery"]
+
+_NO_POINTER = 1 << 62  # (the oldest commit pointer: none on this rank)
 
 
 def _fuse(v: SnapshotView, slot: int, m: dict) -> dict:
@@ -57,10 +60,10 @@ def _fuse(v: SnapshotView, slot: int, m: dict) -> dict:
     return dict(zip(targets, load_verified(jobs, m.get("checksum", "crc32"))))
 
 
-def _distribute(v: SnapshotView, g: GroupPlan, data) -> dict:
+def _distribute(v: SnapshotView, g: GroupPlan, data, it: int) -> dict:
     """Every member ends with every slice it can get without decoding: its own, its ARC
-    replica, and those sent by their holders (``g.sends``). Returns slice index -> uint8
-    tensor."""
+    replica, and those sent by their holders (``g.sends``) in restoring iteration ``it``.
+    Returns slice index -> uint8 tensor."""
     L = v.layout.slice_bytes
     slices = {j: data[v.regions[r][0]:v.regions[r][0] + L]
               for j, r in g.held[v.member].items()}
@@ -73,6 +76,8 @@ def _distribute(v: SnapshotView, g: GroupPlan, data) -> dict:
             slices[j] = torch.empty(L, dtype=torch.uint8)
             reqs.append(torch.distributed.irecv(slices[j], src=v.dp_ranks[provider],
                                                 group=v.dp_group, tag=j))
+    # (tests) a kill while the exchange is in flight: posted, not yet complete
+    fault_point("load-exchange", iteration=it)
     for r in reqs:
         r.wait()
     return slices
@@ -168,12 +173,21 @@ def recover(s, persistent: int | None,
     # finished that snapshot (the commit follows a job-wide all-reduce); one finished on
     # some ranks but never committed (a kill inside the snapshot or the commit) is not,
     # even where the others' redundancy could rebuild it: the outcome of a kill must not
-    # depend on how far the other ranks got
+    # depend on how far the other ranks got. Pointers may differ: a kill inside the
+    # commit (after its all-reduce) leaves some moved to i and others at i-1, and i is
+    # then sealed on every rank (the all-reduce returned): the newest is the right one
     c = v.store.committed()
-    newest = torch.tensor([int(c["iteration"]) if c else -1], dtype=torch.int64)
-    torch.distributed.all_reduce(newest, op=torch.distributed.ReduceOp.MAX,
+    mine_c = int(c["iteration"]) if c else -1
+    pointers = torch.tensor([mine_c, -(mine_c if c else _NO_POINTER)], dtype=torch.int64)
+    torch.distributed.all_reduce(pointers, op=torch.distributed.ReduceOp.MAX,
                                  group=v.control_group)
-    committed = int(newest.item())
+    committed, oldest = int(pointers[0].item()), -int(pointers[1].item())
+    if v.rank == 0 and oldest != _NO_POINTER and oldest < committed:
+        reft_print(f"commit pointers differ across ranks (iterations {oldest} to "
+                   f"{committed}, e.g. a failure inside a commit): the newest, "
+                   f"{committed}, was committed job-wide (sealed on every rank before "
+                   f"any pointer moved)",
+                   event="commit_pointers_differ", oldest=oldest, newest=committed)
     max_iteration = committed if max_iteration is None else min(max_iteration, committed)
     plan, mine = _agree(v, manifests, persistent, max_iteration, fused)
     t_verify = time.perf_counter()
@@ -183,6 +197,8 @@ def recover(s, persistent: int | None,
             reft_print(f"recovery from host memory not possible: {why}",
                        event="recovery_impossible", reason=str(why))
         return None
+    # (tests) a kill after the inventory reads (round 1 may have loaded into the model)
+    fault_point("load-read", iteration=plan.iteration)
     s.recovered_from = plan.tier  # (the snapshotter keeps it for the trainer's summary)
     _restore(v, plan, mine, manifests, fused, c, (t0, t_verify))
     return plan.iteration
@@ -199,7 +215,7 @@ def _restore(v: SnapshotView, plan: RecoveryPlan, mine: dict, manifests: dict,
     data = v.store.data(entry.slot, v.nbytes) if entry else None
     # 1. what each member already holds (own slice, ARC replica of the next one), and
     #    who sends each slice to the members that lack it (point-to-point)
-    slices = _distribute(v, g, data)
+    slices = _distribute(v, g, data, it)
     t_gather = time.perf_counter()
     # 2. lost slices without a replica: rebuilt from the parity blocks of the others
     _rebuild(v, g, data, slices)
@@ -215,6 +231,9 @@ def _restore(v: SnapshotView, plan: RecoveryPlan, mine: dict, manifests: dict,
     for d in range(v.D):
         if d not in done:
             lay.replicated.write(d * L, slices[d])
+    # (tests) a kill with the slices rebuilt and written back, owned state, metadata and
+    # commit pointer not yet
+    fault_point("load-rebuild", iteration=it)
     if g.meta_from is not None:  # members that rebuild their slice take a peer's metadata
         obj = [manifest["meta"] if mine_own else None]
         torch.distributed.broadcast_object_list(obj, src=v.dp_ranks[g.meta_from],

@@ -31,6 +31,7 @@ from typing import Callable
 
 from reft_ext.report.timeline import Trace, now_us
 from reft_ext.state.regions import Region
+from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 TIER1, TIER2 = 1, 2
 
@@ -156,6 +157,8 @@ class HasWorker:
             t0 = now_us()
             try:
                 digest = unit.run()
+                if batch.done == 0:  # the batch's first unit copied, the rest not yet
+                    fault_point("has-copy", iteration=batch.iteration, how=how)
             except BaseException as e:  # noqa: BLE001 - reported to the trainer at drain
                 with self._cv:
                     self._error = e

@@ -19,6 +19,7 @@ import torch
 
 from reft_ext.store.checksum import DEFAULT, checksum, combine
 from reft_ext.store.slots import SnapshotStore
+from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 
 def region_checksums(regions: dict, digests: dict, algorithm: str = DEFAULT) -> dict:
@@ -67,5 +68,8 @@ class Committer:
         snapshot bytes."""
         total = torch.tensor([nbytes], dtype=torch.int64)
         torch.distributed.all_reduce(total, group=self.group)
+        # every rank has sealed the iteration; a kill here leaves some commit pointers
+        # moved and others not (REFT-load takes the job-wide newest: every rank holds it)
+        fault_point("commit", iteration=iteration, slot=slot)
         self.store.commit(slot, iteration)
         return int(total.item())

@@ -36,6 +36,7 @@ import torch
 from reft_ext import _native
 from reft_ext.store.paths import check_name as _check_name
 from reft_ext.store.paths import job_dir
+from reft_ext.testing import fault_point  # tests: --inject-fault ...:shm-full (no-op otherwise)
 
 log = logging.getLogger("reft")
 
@@ -80,6 +81,7 @@ def _reserve(fd: int, path: str, offset: int, length: int) -> None:
     if length > free:
         raise _space_error(path, length, free)
     try:
+        fault_point("shm-reserve", path=path, length=length)  # an injected ENOSPC (tests)
         os.posix_fallocate(fd, offset, length)  # tmpfs allocates the pages now
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EFBIG):  # lost a race for the space

@@ -1,10 +1,18 @@
 """Test machinery for REFT (fault injection), kept out of the production objects.
 
 Production code reaches it through one narrow injection point, :func:`fault_point`: a
-named moment ("snapshot-write": halfway through writing a snapshot) or a request from
-the trainer's ``--inject-fault`` ("node-loss", "corrupt"). Nothing happens unless a run
-started with ``--inject-fault`` installed an observer (reft_ext/testing/faults.py); this
-module imports nothing, so production code pays one attribute test per call.
+named moment of a run (``fault_point("commit", iteration=it)``: the phases of
+``--inject-fault ...@PHASE``, listed in megatron/training/fault_injection.py), a request
+from the trainer's ``--inject-fault`` ("node-loss", "corrupt") or a resource about to be
+taken ("shm-reserve": reft_ext/store/shm.py reserving pages). Nothing happens unless a
+run started with ``--inject-fault`` installed an observer (the trainer's FaultObserver,
+which hands the REFT damage to reft_ext/testing/faults.py); this module imports nothing,
+so production code pays one ``None`` test per call.
+
+The contract of a fault point: ``fault_point(point, iteration=ITER, **info)``, with
+ITER the iteration the moment belongs to (keyword). The observer may damage state, kill
+the process (the call then never returns), raise (``shm-reserve``: an ``OSError``) or do
+nothing; it fires a fault at most once per process.
 """
 
 from __future__ import annotations
@@ -21,8 +29,13 @@ def set_fault_observer(observer: Callable[..., None] | None) -> None:
     _observer = observer
 
 
+def get_fault_observer() -> Callable[..., None] | None:
+    """The installed observer (None in production)."""
+    return _observer
+
+
 def fault_point(point: str, **info) -> None:
     """Production code passing ``point``: the observer, if any, may damage state, kill
-    the process or do nothing."""
+    the process, raise or do nothing."""
     if _observer is not None:
         _observer(point, **info)

@@ -1,13 +1,15 @@
 """REFT-specific damage for ``--inject-fault`` (tests and demos): a lost node's shared
 memory, a flipped byte or a rewritten manifest / commit pointer in a rank's committed
-snapshot, a kill halfway through a snapshot write.
+snapshot.
 
-The trainer's megatron/training/fault_injection.py decides *when* (rank, iteration,
-attempt) and sends the signal; it asks for the REFT part through
-:func:`reft_ext.testing.fault_point`, which reaches the :class:`ReftFaults` observer that
-the integration installs for a rank named by ``--inject-fault``. The production objects
-(session, snapshotter, store) hold no test code: this module reads their state from
-outside.
+The trainer's megatron/training/fault_injection.py decides *when* (rank, phase,
+iteration, attempt) and sends the signal: its one observer sits behind
+:func:`reft_ext.testing.fault_point` and fires the specs at their moments (the library's
+own moments, ``snapshot-write``, ``commit``, ... included). For the REFT part of a mode it
+calls ``fault_point("node-loss")`` / ``fault_point("corrupt", mode=...)``, which the
+observer hands to the :class:`ReftFaults` of this rank's session (attached when the
+session opens). The production objects (session, snapshotter, store) hold no test code:
+this module reads their state from outside.
 """
 
 from __future__ import annotations
@@ -15,10 +17,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from typing import Callable
 
 from reft_ext.state.regions import Region
-from reft_ext.testing import set_fault_observer
 
 
 def _emit(msg: str) -> None:
@@ -28,25 +28,19 @@ def _emit(msg: str) -> None:
 
 
 class ReftFaults:
-    """The observer of :func:`reft_ext.testing.fault_point` for one rank's session
-    (reft_ext/session.py). ``on_snapshot_write(iteration)``: called halfway through each
-    snapshot write (after the own slice), where the trainer fires a ``snapshot`` fault."""
+    """The REFT damage of one rank's session (reft_ext/session.py), called by the
+    trainer's fault observer with the points in POINTS."""
 
-    def __init__(self, session, on_snapshot_write: Callable[[int], None] | None = None):
+    POINTS = ("node-loss", "corrupt")
+
+    def __init__(self, session):
         self.session = session
-        self.on_snapshot_write = on_snapshot_write
-
-    def install(self) -> ReftFaults:
-        set_fault_observer(self)
-        return self
 
     def __call__(self, point: str, **info) -> None:
         if point == "node-loss":
             self.wipe_node()
         elif point == "corrupt":
             self.corrupt(info["mode"])
-        elif point == "snapshot-write" and self.on_snapshot_write is not None:
-            self.on_snapshot_write(info["iteration"])
 
     def wipe_node(self) -> None:
         """Node loss: the failure domain's shared memory disappears with the node."""

@@ -132,6 +132,7 @@ def test_two_lost_members_fall_back_to_persistent(tmp_path, reference_runs):
     same_as_reference(run, ref, 5)
 
 
+@pytest.mark.slow  # tests/integration/test_chaos.py covers it in the default tier
 def test_kill_during_snapshot_never_loads_torn_state(reference_runs):
     ref = reference_runs("pp2dp2", 4, TINY + N + LAYOUTS["pp2dp2"])
     run = torchrun(4, TINY + N + LAYOUTS["pp2dp2"] + reft("aec") +
@@ -145,6 +146,7 @@ def test_kill_during_snapshot_never_loads_torn_state(reference_runs):
     same_as_reference(run, ref, 5)
 
 
+@pytest.mark.slow  # tests/integration/test_chaos.py covers it in the default tier
 def test_flipped_byte_is_caught_and_replica_used(reference_runs):
     ref = reference_runs("pp2dp2", 4, TINY + N + LAYOUTS["pp2dp2"])
     run = torchrun(4, TINY + N + LAYOUTS["pp2dp2"] + reft("arc") +

@@ -131,7 +131,7 @@ def test_fault_modes_parse_and_the_unknown_mode_lists_them():
 
     for mode in ("corrupt-replica", "corrupt-manifest", "corrupt-committed"):
         assert parse_fault_spec(f"1:3:CONT:{mode}").mode == mode
-    with pytest.raises(ArgumentError, match=r"unknown mode 'flip' \(node, snapshot, corrupt, "
+    with pytest.raises(ArgumentError, match=r"unknown mode 'flip' \(node, snapshot, shm-full, corrupt, "
                                             r"corrupt-replica, corrupt-manifest, "
                                             r"corrupt-committed\)"):
         parse_fault_spec("1:3:KILL:flip")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from reft_ext.protect.aor.replica import AORReplica, OwnerShard
 from reft_ext.report.events import emit
+from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 TAG_INIT, TAG_STEP = 0xA0F0, 0xA0F1
 
@@ -92,6 +93,7 @@ class AORTransport:
         self._error: BaseException | None = None
         self._send_work = None
         self.seq_sent = self.seq_recv = 0
+        self.steps = 0  # Adam steps the owner has taken (set again at initialize)
 
     # ---- start-up / after recovery ----------------------------------------------------
     def initialize(self) -> None:
@@ -124,6 +126,7 @@ class AORTransport:
         sw.wait()
         self.replica.valid, self.replica.reason, self.replica.applied = True, "", 0
         self.seq_sent = self.seq_recv = 0
+        self.steps = int(self.owner.step_count())  # Adam steps taken (= the iteration)
         self._send_buf = torch.empty(mine.message_nbytes, dtype=torch.uint8)
         self._recv_buf = torch.empty(peer.message_nbytes, dtype=torch.uint8)
         if self._hook is None and self.owner.opts:
@@ -143,6 +146,10 @@ class AORTransport:
         self._send_work = dist.isend(self._send_buf, dst=self.holder_rank,
                                      group=self.group, tag=TAG_STEP)
         self.seq_sent += 1
+        # (tests) this step's message posted to the holder, the owner's message not yet
+        # received here; the iteration is the step's (the Adam steps taken, this one too)
+        self.steps += 1
+        fault_point("aor", iteration=self.steps)
         self._q.join()  # the previous message is applied: the receive buffer is free
         self._raise_if_failed()
         work = dist.irecv(self._recv_buf, src=self.owner_rank, group=self.group,
