@@ -64,11 +64,9 @@ from reft_ext.report.progress import Progress  # noqa: E402
 from reft_ext.store import paths  # noqa: E402
 from tests.harness.run import LAYOUTS, TINY, parse  # noqa: E402
 
-# the campaign of `make chaos` (docs/chaos.md). Interleaved PP2 without --save: its
-# persistent save fails in megatron-core's optimizer.sharded_state_dict ("Param id N does
-# not match any model sharded param", docs/chaos.md), with or without faults
+# the campaign of `make chaos` (docs/chaos.md)
 DEFAULT_LAYOUTS = ["tp2dp2:arc", "pp2dp2-zero1:arc,aor", "dp4:aec", "dp4-zero1:aec,aor",
-                   "pp2-interleaved:arc:nosave"]
+                   "pp2-interleaved:arc"]
 
 # ---- what a fault can be -------------------------------------------------------------
 INTERNAL_KINDS = ("kill", "term", "stop", "node", "corrupt", "corrupt-replica",

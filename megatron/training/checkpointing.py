@@ -27,7 +27,7 @@ from megatron.training import optimizer_state
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
 from reft_ext.state.identity import differences, stamp
-from reft_ext.testing import fault_point  # --inject-fault moments
+from reft_ext.testing import fault_point, get_fault_observer  # --inject-fault moments
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # what makes a state a run's (reft_ext/state/identity.py): model shape, layout, optimizer
@@ -74,16 +74,11 @@ def _write_tracker(root: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(root, TRACKER))
 
 
-def _writer(write, iteration: int, trainer: int, *args, **kwargs):
-    """An async save's write, run in the writer process megatron-core forks from the
-    trainer. It dies with the trainer: an orphaned writer of a SIGKILLed rank would keep
-    writing a checkpoint nobody finalizes and hold the job's stdout (and torchrun)
-    open. Behind the fault point ``save-async``: a fault there kills the writer before
-    it writes, the rank lives on and must find the save failed (no tracker naming the
-    unfinished checkpoint)."""
-    _die_with_parent()
-    if os.getppid() != trainer:  # the trainer died before prctl took effect
-        os._exit(1)
+def _faulty_write(write, iteration: int, *args, **kwargs):
+    """An async save's write (run in its forked writer process, which dies with the
+    rank: megatron/training/children.py) behind the fault point ``save-async``: a fault
+    there kills the writer before it writes, the rank lives on and must find the save
+    failed (no tracker naming the unfinished checkpoint)."""
     fault_point("save-async", iteration=iteration)
     return write(*args, **kwargs)
 
@@ -99,21 +94,9 @@ def _prewarm_results_queue() -> None:
     if fa._results_queue is None:
         from multiprocessing.managers import SyncManager
 
-        manager = SyncManager(ctx=mp.get_context("fork"))
-        manager.start(initializer=_die_with_parent)
+        manager = SyncManager(ctx=mp.get_context("fork"))  # dies with the rank (children.py)
+        manager.start()
         fa._results_queue = manager.Queue()
-
-
-def _die_with_parent() -> None:
-    """Runs in a process the trainer forked (the results-queue manager, the async
-    writer): a SIGKILLed trainer must not leave it behind (an orphan keeps the job's
-    stdout open and its torchrun waiting). Forks come from the trainer's main thread,
-    whose end is the process's end, so PDEATHSIG fires exactly when the trainer dies."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_optim=True,
@@ -194,9 +177,9 @@ class Checkpointer:
         request = dist_checkpointing.save(
             sd, path, async_sharded_save=bool(self.async_queue),
             content_metadata=OPTIM_METADATA)
-        if self.async_queue is not None and request.async_fn is not None:
-            request = request._replace(
-                async_fn=partial(_writer, request.async_fn, it, os.getpid()))
+        if self.async_queue is not None and request.async_fn is not None and \
+                get_fault_observer() is not None:  # ...@save-async: in the writer process
+            request = request._replace(async_fn=partial(_faulty_write, request.async_fn, it))
 
         def finalize():
             fault_point("save-tracker", iteration=it)  # files written, tracker not yet

@@ -20,7 +20,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 
-from megatron.training import fault_injection, llama_model
+from megatron.training import children, fault_injection, llama_model
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.fault_injection import (maybe_inject_spike, parse_fault_specs,
                                               parse_spike_specs)
@@ -81,6 +81,7 @@ class Trainer:
         self.hooks = list(hooks)
         self.t_process = process_start_time()
         self.marks = [("imports", time.time())]
+        children.install()  # whatever this rank forks (checkpoint writers) dies with it
         initialize_megatron(args)
         self.marks.append(("distributed init", time.time()))
         # --inject-fault: this rank's fault observer, before the health check (a phase)

@@ -8,6 +8,7 @@ torch): the node's watcher and the launcher use it.
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -21,10 +22,22 @@ def write_atomic(path: str, text: str, *, durable: bool = False,
     the launcher and a rank); else ``<path>.tmp``, which a crashed writer's successor
     simply overwrites."""
     tmp = f"{path}.{os.getpid()}.tmp" if per_writer else f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as exc:  # the target is untouched; no half-written temporary left
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if exc.errno == errno.ENOSPC:  # a full /dev/shm (or disk): say where and what
+            raise OSError(errno.ENOSPC, f"no space left on the filesystem of "
+                          f"{os.path.dirname(path) or '.'} to write {os.path.basename(path)} "
+                          f"({len(text)} bytes); the previous version is intact. Free "
+                          f"space there (df -h) and restart") from exc
+        raise
     os.replace(tmp, path)

@@ -1,8 +1,8 @@
-"""The async-save writer dies with its trainer (megatron/training/checkpointing.py
-``_writer``). Found by tools/chaos.py: a rank SIGKILLed while megatron-core's forked
-writer was still writing left that writer behind, orphaned, writing a checkpoint nobody
-would finalize, holding the job's stdout (so torchrun waited on it) and the rank's
-deleted shared memory."""
+"""What a rank forks dies with it (megatron/training/children.py). Found by
+tools/chaos.py: a rank SIGKILLed while megatron-core's forked checkpoint writer was still
+writing left that writer behind, orphaned, writing a checkpoint nobody would finalize,
+holding the job's stdout (so torchrun waited on it) and the rank's deleted shared
+memory."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tests.harness.run import ENV_PATH
 
 TRAINER = r"""
 import multiprocessing as mp, os, sys, time
-from functools import partial
-from megatron.training.checkpointing import _writer
+from megatron.training import children
+children.install()  # as the trainer does first
 
 def write(pid_file):  # a checkpoint write that takes long
     with open(pid_file + ".tmp", "w") as f:
@@ -26,8 +26,7 @@ def write(pid_file):  # a checkpoint write that takes long
     time.sleep(120)
 
 # as megatron-core's TemporalAsyncCaller starts the writer: a fork from the main thread
-mp.get_context("fork").Process(target=partial(_writer, write, 2, os.getpid()),
-                               args=(sys.argv[1],)).start()
+mp.get_context("fork").Process(target=write, args=(sys.argv[1],)).start()
 time.sleep(120)
 """
 
@@ -41,7 +40,7 @@ def _alive(pid: int) -> bool:
     return "Z" not in state.split()[1]  # a zombie has ended
 
 
-def test_writer_dies_when_the_trainer_is_killed(tmp_path):
+def test_a_forked_writer_dies_when_its_rank_is_killed(tmp_path):
     pid_file = str(tmp_path / "writer.pid")
     env = dict(os.environ, **ENV_PATH)
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, pid_file], env=env)
