@@ -8,7 +8,7 @@ restores the last snapshot from memory, instead of the job sitting in a collecti
 
 Record: seq (u64, +1 per beat), iteration (i64, the last completed), state (u32), pid
 (u32), t (f64, CLOCK_MONOTONIC of the last beat; one clock for every process of a host).
-A beat is one ``struct.pack_into`` into the mapping (about a microsecond, no system call),
+A beat is one 32-byte copy into the mapping (about a microsecond, no system call),
 so ranks beat at every schedule event (each micro-batch's compute phases, each p2p wait,
 the snapshot commit, the optimizer step), not only once per iteration.
 
@@ -90,8 +90,12 @@ class Heartbeat:
             return
         self.seq += 1
         effective = self.state if self.armed and not self._pauses else PAUSED
-        _REC.pack_into(self._mm, 0, self.seq, self.iteration, effective, self.pid,
-                       time.monotonic())
+        # packed first, then one 32-byte copy: pack_into would zero the record before
+        # writing its fields, and a reader catching a rank descheduled in between saw
+        # t = 0, a silence as long as the machine's uptime (a false hang verdict of a
+        # chaos campaign). The copy's aligned 8-byte stores never tear a field.
+        self._mm[:_REC.size] = _REC.pack(self.seq, self.iteration, effective, self.pid,
+                                         time.monotonic())
 
     def work(self) -> None:
         self.beat(WORKING)
@@ -152,6 +156,8 @@ def read(p: str) -> dict | None:
     if len(a) < _REC.size or a != b:
         return None
     seq, iteration, state, pid, t = _REC.unpack(a)
+    if seq == 0 or t <= 0.0 or state not in STATE_NAMES:  # not (yet) a whole beat
+        return None
     return {"seq": seq, "iteration": iteration, "state": state, "pid": pid, "t": t}
 
 

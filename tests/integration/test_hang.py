@@ -42,6 +42,26 @@ def test_heartbeat_record_follows_the_rank(tmp_path):
     hb.work()  # after close: a no-op, not a crash
 
 
+def test_a_half_written_beat_is_not_read(tmp_path):
+    """struct.pack_into zeroes a record before it writes the fields: a reader that caught a
+    rank descheduled in between saw its pid with t = 0, a silence as long as the uptime
+    (a chaos campaign's false hang verdict). Beats are now one copy of a packed record,
+    and a record without a time or a sequence number is no beat."""
+    hb = Heartbeat(str(tmp_path), 1)
+    hb.iteration_done(6)
+    p = heartbeat.path(str(tmp_path), 1)
+    whole = heartbeat.read(p)
+    assert whole["pid"] == os.getpid() and whole["t"] > 0
+    torn = heartbeat._REC.pack(whole["seq"], 6, WAITING, os.getpid(), 0.0)  # t not yet
+    hb._mm[:len(torn)] = torn
+    assert heartbeat.read(p) is None
+    mon = HangMonitor(str(tmp_path), [1], [os.getpid()], timeout=1.0)
+    assert mon.check() == []
+    hb.beat()
+    assert heartbeat.read(p)["t"] > 0
+    hb.close()
+
+
 def test_monitor_limits_working_waiting_paused(tmp_path):
     d = str(tmp_path)
     hb = {r: Heartbeat(d, r) for r in range(4)}

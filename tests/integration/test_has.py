@@ -5,6 +5,8 @@ unchanged by them, and the Chrome trace covers every rank and iteration."""
 import json
 import re
 
+import pytest
+
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
 REFT = ["--reft-snapshot-every", "1", "--reft-ranks-per-node", "1"]
@@ -40,6 +42,7 @@ def test_has_1f1b_zero1_aec_matches_end_of_iteration_and_reference(reference_run
     assert run.hashes == ref.hashes and run.losses == ref.losses
 
 
+@pytest.mark.slow  # 3 job runs; the 1F1B test above is the default tier's HAS check
 def test_interleaved_has_and_host_thread_match_end_of_iteration_with_trace(tmp_path):
     args = TINY + PP2DP2 + ["--num-layers-per-virtual-pipeline-stage", "1",
                             "--train-iters", str(ITERS)]

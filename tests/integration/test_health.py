@@ -223,7 +223,7 @@ def _shrunk_reference(layout, tmp_path):
 
 
 @pytest.mark.parametrize("zero1", [
-    pytest.param(False, id="memory"),
+    pytest.param(False, id="memory", marks=pytest.mark.slow),
     pytest.param(True, id="persistent", marks=pytest.mark.slow)])
 def test_elastic_shrink_after_a_crash(zero1, tmp_path):
     """3 nodes x 1 rank (DP 3), --min-nodes 2. Rank 0 crashes at iteration 5; on the

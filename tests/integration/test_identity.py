@@ -7,6 +7,8 @@ import re
 import shutil
 import uuid
 
+import pytest
+
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
 from reft_ext.state.identity import differences, fingerprint, mismatch
@@ -19,6 +21,7 @@ def _reft(job, *extra):
             "1", "--reft-job-id", job, *extra]
 
 
+@pytest.mark.slow  # 4 job runs; test_untrusted_state's identity checks stay in the default tier
 def test_another_run_with_the_same_job_id_is_refused_and_the_same_run_resumes():
     job = f"ident-{uuid.uuid4().hex[:8]}"
     base = TINY + LAYOUTS["pp2dp2"]

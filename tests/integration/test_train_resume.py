@@ -24,7 +24,10 @@ def _half_and_half(layout, tmp_path, extra_first=()):
 
 
 @pytest.mark.parametrize("layout,extra", [
-    ("pp2dp2-zero1", ()), pytest.param("tp2pp2", ("--async-save",), marks=pytest.mark.slow),
+    # the default tier resumes from checkpoints bit-exactly in test_fault_phases.py and
+    # test_sigkill_one_rank_then_torchrun_restart below
+    pytest.param("pp2dp2-zero1", (), marks=pytest.mark.slow),
+    pytest.param("tp2pp2", ("--async-save",), marks=pytest.mark.slow),
     # chunks with the same local key names (tools/chaos.py found saving refused)
     pytest.param("pp2-interleaved", (), marks=pytest.mark.slow)])
 def test_resume_bit_exact(layout, extra, tmp_path, reference_runs):
