@@ -30,7 +30,8 @@ States, and why a running rank has two:
 
 Two refinements keep the verdict on the culprit alone. A computing rank that has slept in
 the kernel since its beat (no CPU time, not runnable) waits inside its compute phase for a
-peer - a tensor-parallel all-reduce in a layer's forward - and gets the waiting limit too.
+peer - a tensor-parallel all-reduce in a layer's forward - and gets the waiting limit too
+(until its next beat: woken by the culprit's death, it runs while it dies).
 A stopped process (SIGSTOP, /proc state T) is the culprit whatever its last state, and
 gets the working limit: it is killed before the peers that wait for it, whose failed
 collectives then end them without a verdict of their own.
@@ -208,23 +209,28 @@ class HangMonitor:
         s = self._since.get(rank)
         if s is None or s["seq"] != seq:  # a new beat: the rank ran just now
             s = self._since[rank] = {"seq": seq, "waited": c[1], "counts": c[:2],
-                                     "ran_by": t, "look": t, "first": (t, c[0] + c[1])}
+                                     "ran_by": t, "look": t, "first": (t, c[0])}
         elif c[:2] != s["counts"] or not c[2]:  # it ran (or slept) since the last look
             s["counts"], s["ran_by"] = c[:2], s["look"] if c[2] else t
-        s["look"], s["runnable"] = t, c[2]
+        s["look"] = t
         return c[1] - s["waited"] + (t - s["ran_by"] if c[2] else 0.0)
 
-    def _blocked(self, rank: int) -> bool:
-        """Asleep in the kernel since its beat, watched for at least BLOCKED_MIN_S: on a
+    def _blocked(self, rank: int, starved: float) -> bool:
+        """Asleep in the kernel since its beat: watched for at least BLOCKED_MIN_S, on a
         CPU or queued for one less than BLOCKED_SHARE of that time. A computing rank
         blocked like this waits inside its compute phase for a peer (a tensor-parallel
-        all-reduce of a layer's forward): a victim, given the waiting limit."""
+        all-reduce of a layer's forward): a victim, given the waiting limit. Sticky until
+        the next beat: a victim woken by its failed collective (the culprit just killed)
+        runs while it dies, and must not be judged a spinning culprit then (seed 23)."""
         s = self._since.get(rank)
-        if s is None or s["runnable"]:
+        if s is None:
             return False
-        t0, busy0 = s["first"]
-        watched = s["look"] - t0
-        return watched >= BLOCKED_MIN_S and sum(s["counts"]) - busy0 < BLOCKED_SHARE * watched
+        if not s.get("blocked"):
+            t0, ran0 = s["first"]
+            watched = s["look"] - t0
+            s["blocked"] = watched >= BLOCKED_MIN_S and \
+                s["counts"][0] - ran0 + starved < BLOCKED_SHARE * watched
+        return s["blocked"]
 
     def check(self, now: float | None = None) -> list[dict]:
         now = time.monotonic() if now is None else now
@@ -238,7 +244,7 @@ class HangMonitor:
             if proc in ("gone", "zombie"):  # dead, not hung: its agent sees the exit
                 continue
             starved = self._starved(rank, pid, rec["seq"])
-            waiting = rec["state"] == WAITING or self._blocked(rank)
+            waiting = self._blocked(rank, starved) or rec["state"] == WAITING
             if proc.startswith("stopped"):  # frozen (SIGSTOP): the culprit, whatever it
                 waiting = False  # was doing, so it is killed before its waiting victims
             limit = self.timeout * (WAITING_FACTOR if waiting else 1)

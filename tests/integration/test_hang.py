@@ -90,7 +90,9 @@ hb = Heartbeat(sys.argv[1], int(sys.argv[2]))
 hb.iteration_done(1)
 hb.work() if sys.argv[3] == "work" else hb.wait()
 print("beat", flush=True)
-if sys.argv[4] == "spin":
+if sys.argv[4] == "sleep-then-spin":  # a victim woken by its failed collective
+    time.sleep(1.5)
+if sys.argv[4] != "sleep":
     while True:
         pass
 time.sleep(120)
@@ -102,7 +104,9 @@ def test_verdict_falls_on_the_culprit_not_its_victims(tmp_path):
     the culprit, judged at the timeout. Rank 1 computes and spins without beating: hung at
     the timeout. Rank 2 computes but sleeps in the kernel (a TP all-reduce waiting for
     rank 0): a victim, given the waiting limit, so it is still alive when rank 0's kill
-    ends its collective (chaos campaigns saw such victims killed as hung)."""
+    ends its collective (chaos campaigns saw such victims killed as hung). Rank 3 slept
+    the same way, then runs (a victim woken by its failed collective, dying): still a
+    victim, given the waiting limit."""
     import signal
     import subprocess
     import sys
@@ -113,20 +117,21 @@ def test_verdict_falls_on_the_culprit_not_its_victims(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, d, str(r), state, how],
                               stdout=subprocess.PIPE, env=dict(os.environ, **ENV_PATH))
              for r, (state, how) in enumerate([("wait", "sleep"), ("work", "spin"),
-                                               ("work", "sleep")])]
+                                               ("work", "sleep"),
+                                               ("work", "sleep-then-spin")])]
     try:
         for p in procs:
             assert p.stdout.readline() == b"beat\n"
         procs[0].send_signal(signal.SIGSTOP)
-        mon = HangMonitor(d, [0, 1, 2], [p.pid for p in procs], timeout=1.0)
+        mon = HangMonitor(d, [0, 1, 2, 3], [p.pid for p in procs], timeout=1.0)
         seen: dict[int, float] = {}
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 3.0 and len(seen) < 3:
+        while time.monotonic() - t0 < 3.0 and len(seen) < 4:
             for h in mon.check():
                 seen.setdefault(h["rank"], h["limit"])
             time.sleep(0.05)
         assert heartbeat.process_state(procs[0].pid) == "stopped"
-        assert seen == {0: 1.0, 1: 1.0, 2: 2.0}, seen
+        assert seen == {0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}, seen
     finally:
         for p in procs:
             p.kill()
