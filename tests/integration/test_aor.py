@@ -88,6 +88,7 @@ def test_pp2dp2_bf16_replicas_bit_identical_and_lr_change_detected():
     check(run, rows, perturbed_rank=0, at=90)
 
 
+@pytest.mark.slow  # bf16 replicas: the PP2 x DP2 test above is the default tier's
 def test_tp2dp2_bf16_replicas_bit_identical():
     """TP splits the shards further and the grad norm spans the TP group too. Halfway the
     transports are paused and initialized again (a gloo send waited twice used to hang)."""

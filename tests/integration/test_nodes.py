@@ -44,6 +44,7 @@ def test_two_node_losses_in_one_group_fall_back_to_persistent(tmp_path, referenc
 DP2 = LAYOUTS["dp4"]  # on 2 ranks: DP 2
 
 
+@pytest.mark.slow  # the default tier flushes in test_reft_watcher.py and test_chaos.py
 def test_sigterm_flushes_and_a_fresh_job_resumes_from_it(tmp_path, reference_runs):
     """Preemption: SIGTERM to every agent mid-run. Each node's watcher flushes the node's
     committed snapshots to <--save>/reft-flush; the job is restarted from scratch (empty
