@@ -39,6 +39,7 @@ def test_resume_bit_exact(layout, extra, tmp_path, reference_runs):
     assert all(second.losses[i] == ref.losses[i] for i in (4, 5, 6))
 
 
+@pytest.mark.slow  # kill -> persistent resume: test_fault_phases.py in the default tier
 def test_sigkill_one_rank_then_torchrun_restart(tmp_path, reference_runs):
     layout = "pp2dp2-zero1"
     ref = reference_runs(layout, 4, TINY + ITERS + LAYOUTS[layout])
