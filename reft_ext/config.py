@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from reft_ext.flags import ReftFlags
 
 PROTECTIONS = ("none", "arc", "aec", "aor")
+RESTARTS = ("in-process", "process")  # docs/nodes.md
 SCHEDULES = ("has", "end-of-iteration", "host-thread")  # reft_ext/save/schedules.py (torch)
 
 
@@ -81,6 +82,12 @@ class ReftConfig(ReftFlags):
              "peers), so torchrun restarts the workers and REFT-load restores from memory "
              "instead of waiting for --distributed-timeout-minutes; armed after the first "
              "iteration, paused during checkpoint saves and validation (0 = off)"))
+    restart: str = field(default="in-process", metadata=dict(
+        help="after a failure: in-process (the surviving ranks abort their process "
+             "groups, rendezvous again with the replacements and roll back from their own "
+             "host memory without leaving their process; needs tools/launch_nodes.py "
+             "--restart in-process, under torchrun it means process) | process (every "
+             "worker restarts, torchrun's way)"))
     trace_file: str = field(default="", metadata=dict(
         help="write a Chrome trace (JSON; opens in Perfetto) of every rank's schedule, "
              "bubbles and snapshot chunks to this path"))
@@ -109,6 +116,9 @@ class ReftConfig(ReftFlags):
         if self.has_tier2 not in ("auto", "concurrent", "deferred"):
             raise ReftConfigError(f"--reft-has-tier2: unknown value {self.has_tier2!r}; "
                                   f"choose from auto, concurrent, deferred")
+        if self.restart not in RESTARTS:
+            raise ReftConfigError(f"--reft-restart: unknown mode {self.restart!r}; choose "
+                                  f"from {', '.join(RESTARTS)}")
         if self.schedule not in SCHEDULES:
             raise ReftConfigError(f"--reft-schedule: unknown schedule {self.schedule!r}; "
                                   f"choose from {', '.join(SCHEDULES)}")

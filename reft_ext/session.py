@@ -148,6 +148,8 @@ class ReftSession(_Trace):
         self._t_step: float | None = None
         self.iteration_s: list[float] = []  # this process's iteration times (summary)
         self._closed = False
+        # set by a trainer that opens this session after an in-process restart
+        self.restarted_in_process = False
 
     def _check_shm_dir(self) -> None:
         """Before any segment exists: each rank's failure-domain directory must be this
@@ -238,6 +240,10 @@ class ReftSession(_Trace):
         pids = [None] * a.world_size
         torch.distributed.all_gather_object(pids, os.getpid(), group=a.control_group)
         if sig.leader:
+            if self.restarted_in_process:
+                # the node's watcher of the last generation watches other pids (a
+                # replaced rank's): one watcher per node, of the ranks it has now
+                node_status.kill_watcher(self.cfg.shm_dir, self.cfg.job_id, sig.node)
             spawn(self.cfg.shm_dir, self.cfg.job_id, sig.node, [pids[r] for r in sig.ranks],
                   self.cfg.flush_dir, ranks=sig.ranks, hang_timeout=self.cfg.hang_timeout)
 
@@ -361,6 +367,20 @@ class ReftSession(_Trace):
         if self.adapter.rank == 0 and self.cfg.enabled:
             reft_print(self.summary(state))
         self.close()
+
+    def abandon(self) -> None:
+        """In-process restart (reft_ext/cluster/inprocess.py): this generation failed.
+        Nothing is committed, flushed or waited for (peers may be dead); threads stop,
+        the heartbeat ends (paused first, so the node watcher does not judge the
+        restart a hang) and the segments stay in shared memory for the next session's
+        recovery."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.heartbeat is not None:
+            self.heartbeat.pause()
+            self.heartbeat.close()
+        self.snap.abandon()
 
     def close(self) -> None:
         """The snapshots' segments unmapped, and removed unless --reft-keep-snapshots."""

@@ -5,7 +5,8 @@ tools/chaos.py), each ``SPEC`` being
 
 The fault fires on global rank RANK, during iteration ITER, at the moment PHASE (default
 ``step``), and only while the job's attempt (``TORCHELASTIC_RESTART_COUNT``, plus
-``REFT_NODE_GENERATION`` under tools/launch_nodes.py; unset outside torchrun counts as 0)
+``REFT_NODE_GENERATION`` under tools/launch_nodes.py, plus the generation ``REFT_GENERATION``
+under its in-process supervisor; unset outside torchrun counts as 0)
 equals ATTEMPT (default 0), so the job restarted by torchrun runs through. Each spec
 fires at most once per process. Before the signal is sent, one line
 
@@ -224,7 +225,8 @@ def attempt() -> int:
     agents of that node slot came before (REFT_NODE_GENERATION), so a fault meant for
     attempt 0 does not fire again on the node that replaced the failed one."""
     return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) +
-            int(os.environ.get("REFT_NODE_GENERATION", "0")))
+            int(os.environ.get("REFT_NODE_GENERATION", "0")) +
+            int(os.environ.get("REFT_GENERATION", "0")))  # in-process restarts
 
 
 # ---- the observer --------------------------------------------------------------------

@@ -143,7 +143,15 @@ def pipeline_events(args, transformer_config):
             f"pp {mpu.get_pipeline_model_parallel_rank()}, "
             f"dp {mpu.get_data_parallel_rank()})")
     fb_kwargs = events_mod.install(transformer_config, events)
-    return events, fb_kwargs, torch.distributed.new_group(backend="gloo")
+    return events, fb_kwargs, trace_group(args)
+
+
+def trace_group(args):
+    """The gloo group the trace is gathered over (made again after an in-process
+    restart, in the same place of the start-up order)."""
+    cfg = ReftConfig.from_args(args)
+    return torch.distributed.new_group(backend="gloo") if (cfg.enabled or cfg.trace_file) \
+        else None
 
 
 def open_session(args, state: TrainingState, faults=(), events=None, trace_group=None):

@@ -20,7 +20,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 
-from megatron.training import children, fault_injection, llama_model
+from megatron.training import children, fault_injection, inprocess, llama_model
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.fault_injection import (maybe_inject_spike, parse_fault_specs,
                                               parse_spike_specs)
@@ -81,6 +81,7 @@ class Trainer:
         self.hooks = list(hooks)
         self.t_process = process_start_time()
         self.marks = [("imports", time.time())]
+        self.restarts = 0  # in-process restarts of this process
         children.install()  # whatever this rank forks (checkpoint writers) dies with it
         initialize_megatron(args)
         self.marks.append(("distributed init", time.time()))
@@ -98,8 +99,9 @@ class Trainer:
         print_rank_0(format_args_table(args))
         self.timers = Timers(log_level=0, log_option="minmax")
         self.config = llama_model.transformer_config(args)
-        model = llama_model.build_model(args, self.config)
-        optimizer = llama_model.build_optimizer(args, model)
+        with inprocess.recording_build():  # its collectives, for in-process restarts
+            model = llama_model.build_model(args, self.config)
+            optimizer = llama_model.build_optimizer(args, model)
         scheduler = llama_model.build_scheduler(args, optimizer)
         cfg = self.config
         cfg.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
@@ -114,7 +116,6 @@ class Trainer:
         self.spikes_fired: set = set()
         self.skip_batches = [tuple(int(x) for x in p.split(":"))
                              for p in (args.skip_train_batches or "").split(",") if p]
-        self.ckpt = Checkpointer(args) if (args.save or args.load) else None
         self.exit_signal = ExitSignal() if args.exit_signal_handler else None
         n_params = llama_model.num_parameters(model)
         print(f" > rank {torch.distributed.get_rank()}: (tp, pp, dp) = "
@@ -122,13 +123,20 @@ class Trainer:
               f"{mpu.get_pipeline_model_parallel_rank()}, {mpu.get_data_parallel_rank()}), "
               f"parameters on this rank: {n_params}", flush=True)
         self.marks.append(("model+optimizer", time.time()))
+        self.logger = TrainLogger(args, self.state)
+        self.losses: dict[int, str] = {}  # iteration -> loss as float.hex, for tests
+        self._join()
+
+    def _join(self) -> None:
+        """The job-wide part of start-up after the model exists (collective, in this
+        order on every rank): REFT's session and the newest state, the run id, the data.
+        A fresh process and a survivor of an in-process restart both come through here."""
+        self.ckpt = Checkpointer(self.args) if (self.args.save or self.args.load) else None
         self._load()
         self._name_run()
         self.marks.append(("load", time.time()))
-        self.logger = TrainLogger(args, self.state)
         self._build_data()
         self.marks.append(("data", time.time()))
-        self.losses: dict[int, str] = {}  # iteration -> loss as float.hex, for tests
 
     def _load(self):
         """Newest valid state across both tiers: host memory (REFT), then --load."""
@@ -243,10 +251,30 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------
     def train(self) -> TrainingState:
+        """Train to the end. Under the in-process supervisor a failure anywhere in the
+        job (a peer's death, a hang turned into a kill, a failed collective) ends the
+        generation, and this rank restarts in its own process (megatron/training/
+        inprocess.py); an error of its own still ends the process."""
+        failure = None
+        while True:
+            try:
+                if failure is not None:
+                    inprocess.restart_in_process(self, failure)
+                    failure = None
+                return self._train()
+            except Exception as exc:  # noqa: BLE001 - classified by should_restart
+                if not inprocess.should_restart(self.args, exc):
+                    raise
+                # its text only: the traceback's frames hold the failed generation's
+                # objects (the session, its process groups), which must be freed
+                failure = f"{type(exc).__name__}: {exc}"
+                exc.__traceback__ = None
+
+    def _train(self) -> TrainingState:
         args, s = self.args, self.state
         for hook in self.hooks:
             hook.on_start(s)
-        first = True
+        first = self.restarts == 0  # the start-up split: once per process
         while s.iteration < args.train_iters:
             t0 = time.time()
             self._maybe_skip_batches()
@@ -357,4 +385,5 @@ def pretrain(args, hooks=()) -> TrainingState:
     trainer = Trainer(args, hooks)
     state = trainer.train()
     torch.distributed.barrier()
+    inprocess.close()
     return state

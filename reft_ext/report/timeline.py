@@ -180,3 +180,8 @@ class PipelineEvents:
         if self.in_step:
             self.profile.close_step()
         self.in_step = False
+
+    def interrupted(self) -> None:
+        """The step in progress was abandoned (an in-process restart): forget its open
+        phases and wait; the next session's heartbeat replaces the old one."""
+        self.in_step, self._open, self._wait_t0, self.heartbeat = False, {}, None, None

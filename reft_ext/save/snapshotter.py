@@ -278,6 +278,19 @@ class ReftSnapshotter:
                    blocked_ms=1000 * blocked_s, copy_ms=1000 * copy_s,
                    committed_ms=committed_ms)
 
+    def abandon(self) -> None:
+        """A failed generation (in-process restart): the snapshot in flight is dropped
+        uncommitted (its slot was never the committed one), no peer is waited for, the
+        threads stop and the segments are unmapped but kept: the committed snapshot in
+        them is what this rank rolls back to."""
+        self.pending = None
+        self.schedule.close()
+        aor_done = self.aor is None or self.aor.abandon()
+        if self.unit_engine is not None:
+            self.unit_engine.close()
+        if aor_done:  # an AOR thread still applying a message must not lose its mapping
+            self.store.close()
+
     def close(self, remove: bool) -> None:
         self.flush()
         if self.aor is not None:

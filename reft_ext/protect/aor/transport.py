@@ -227,6 +227,22 @@ class AORTransport:
         """Bytes this rank sends per optimizer step (one message to its holder)."""
         return self.owner.spec.message_nbytes
 
+    def abandon(self, timeout_s: float = 5.0) -> bool:
+        """A failed generation: the owner's step hook off and the replica thread told to
+        stop, waiting for no peer (one may be dead; the aborted connections wake a
+        receive in flight). True when the thread is gone."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._send_work = None
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        return True
+
     def close(self) -> None:
         if self._thread is not None:
             self.wait()

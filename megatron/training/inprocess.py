@@ -1,0 +1,355 @@
+"""In-process restart, the trainer's side (``--reft-restart in-process``).
+
+The generations, the abort and the supervisor are reft_ext's
+(reft_ext/cluster/inprocess.py, supervisor.py). What is Megatron's is here:
+
+* the process groups of each generation rendezvous on that generation's store prefix
+  (:func:`store_kwargs`, called by initialize.py);
+* tearing down: megatron-core's parallel state and every torch process group;
+* *rebinding*: the model chunks, the DDP buffers and bucket groups, the optimizer, the
+  p2p communicator... keep the process groups they were built with. Rather than
+  rebuilding them (a new model, a new optimizer, new tensors REFT would have to learn
+  again), every reference to an old group is pointed at the new group made in the same
+  place: megatron-core creates its groups in a fixed order, so the i-th group of
+  generation g and of g + 1 have the same ranks and role. Anything that still holds an
+  old group afterwards (a tuple, a closure) makes the restart fail over to a process
+  restart for this rank, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import os
+import sys
+import time
+import types
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.timers import Timers
+
+from reft_ext.cluster import inprocess
+from reft_ext.cluster.inprocess import RestartError
+
+_gen: inprocess.Generation | None = None
+_base_groups: list = []  # this generation's groups as initialize_distributed made them
+_others: list = []       # the later groups of the failed generation (none may stay held)
+_base_desc: list = []    # their (name, ranks, backend): what must match across generations
+
+
+def generation() -> inprocess.Generation | None:
+    return _gen
+
+
+def store_kwargs(timeout) -> dict:
+    """init_process_group's store/rank/world under the in-process supervisor, else {}."""
+    global _gen
+    if not inprocess.enabled():
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if _gen is None:
+        _gen = inprocess.Generation(rank, world)
+    return dict(store=_gen.pg_store(timeout), rank=rank, world_size=world)
+
+
+def _groups() -> list:
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_names)  # creation order (the default group first)
+
+
+def _describe(groups: list) -> list:
+    from torch.distributed import distributed_c10d as c10d
+
+    return [(c10d._world.pg_names.get(g), tuple(c10d._world.pg_group_ranks.get(g, {})),
+             g.name() if hasattr(g, "name") else "") for g in groups]
+
+
+def after_initialize() -> None:
+    """The groups initialize_distributed made (what :func:`rebind` maps), and the abort
+    watcher of this generation."""
+    global _base_groups, _base_desc
+    _base_groups = _groups()
+    _base_desc = _describe(_base_groups)
+    if _gen is not None:
+        _gen.watch()
+
+
+def close() -> None:
+    """Training ended: stop this rank's abort watcher."""
+    if _gen is not None:
+        _gen.close()
+
+
+def should_restart(args, exc: BaseException) -> bool:
+    """Restart in this process? Only under the supervisor, with --reft-restart
+    in-process, and for what a peer's failure looks like (a bug of this rank's own
+    exits: the supervisor replaces the process)."""
+    if _gen is None or getattr(args, "reft_restart", "process") != "in-process":
+        return False
+    if not isinstance(exc, Exception) or isinstance(exc, RestartError):
+        return False
+    return _gen.is_failure(exc)
+
+
+def teardown() -> list:
+    """Leave megatron-core's parallel state and destroy every process group; returns the
+    old groups (for :func:`rebind`)."""
+    global _others
+    old = list(_base_groups)
+    old_desc = list(_base_desc)
+    _others = [g for g in _groups() if g not in old]  # the session's, the trace's...
+    try:
+        mpu.destroy_model_parallel()
+    except Exception:  # noqa: BLE001 - groups of a failed generation may not destroy
+        pass
+    if torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    return list(zip(old, old_desc))
+
+
+def rebind(old_groups: list, new: list, roots: list) -> int:
+    """Point every reference to ``old[i]`` reachable from ``roots`` at ``new[i]``;
+    returns how many were changed. Raises RestartError if an old group is held where it
+    cannot be replaced (a tuple, a frozenset), or the generations' groups differ."""
+    global _released
+    old = [g for g, _ in old_groups]
+    old_ranks = [d[1:] for _, d in old_groups]
+    new_ranks = [d[1:] for d in _describe(new)]
+    if old_ranks != new_ranks:
+        raise RestartError(f"this generation made other process groups than the last "
+                           f"({len(new_ranks)} vs {len(old_ranks)}; ranks {new_ranks} vs "
+                           f"{old_ranks})")
+    changed, stuck = _walk(roots, {id(o): n for o, n in zip(old, new)})
+    if stuck:
+        raise RestartError(f"old process groups held where they cannot be replaced: "
+                           f"{sorted(set(stuck))}")
+    _released = old + _others
+    _others.clear()
+    return changed
+
+
+_LEAVES = (torch.Tensor, str, bytes, int, float, bool, complex, type(None), type,
+           types.ModuleType, types.BuiltinFunctionType, types.CodeType)
+
+
+def _walk(roots: list, mapping: dict) -> tuple[int, list]:
+    """Replace, in every container and object reachable from ``roots``, the values whose
+    id is in ``mapping``. gc.get_referrers cannot do this: a dict holding only process
+    groups (pybind objects, not GC-tracked) is itself untracked and never reported."""
+    seen, stack, changed, stuck = set(), list(roots), 0, []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _LEAVES) or id(obj) in mapping:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict) or isinstance(getattr(obj, "__dict__", None), dict):
+            d = obj if isinstance(obj, dict) else vars(obj)
+            for k, v in list(d.items()):
+                if id(v) in mapping:
+                    d[k] = mapping[id(v)]
+                    changed += 1
+                else:
+                    stack.append(v)
+            if d is obj:
+                continue
+        if isinstance(obj, list):
+            for i, v in enumerate(obj):
+                if id(v) in mapping:
+                    obj[i] = mapping[id(v)]
+                    changed += 1
+                else:
+                    stack.append(v)
+        elif isinstance(obj, (tuple, set, frozenset)):
+            if any(id(v) in mapping for v in obj):
+                stuck.append(type(obj).__name__)
+            stack.extend(obj)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if id(v) in mapping:
+                    cell.cell_contents = mapping[id(v)]
+                    changed += 1
+                else:
+                    stack.append(v)
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        elif isinstance(obj, functools.partial):
+            stack.extend((obj.func, obj.args, obj.keywords))
+        for name in _slots(type(obj)):
+            v = getattr(obj, name, None)
+            if id(v) in mapping:
+                setattr(obj, name, mapping[id(v)])
+                changed += 1
+            elif v is not None:
+                stack.append(v)
+    return changed, stuck
+
+
+def _slots(cls) -> list[str]:
+    return [n for c in cls.__mro__ for n in getattr(c, "__slots__", ())
+            if isinstance(n, str) and n not in ("__dict__", "__weakref__")]
+
+
+_released: list = []  # the failed generation's groups, dropped once the restart is done
+
+
+def check_released(roots: list) -> None:
+    """After the restart: nothing reachable may still hold a group of the failed
+    generation (a collective on it would fail; its sockets and buffers would leak)."""
+    groups = list(_released)
+    _released.clear()
+    seen = _find(roots, {id(g) for g in groups})
+    if seen:
+        raise RestartError(f"process groups of the failed generation still held by {seen}")
+
+
+def _find(roots: list, ids: set) -> list[str]:
+    """Types of the objects reachable from ``roots`` that hold one of ``ids``."""
+    seen, stack, holders = set(), list(roots), []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _LEAVES) or id(obj) in ids:
+            continue
+        seen.add(id(obj))
+        d = obj if isinstance(obj, dict) else getattr(obj, "__dict__", None)
+        values = list(d.values()) if isinstance(d, dict) else []
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            values += list(obj)
+        if isinstance(obj, types.FunctionType):
+            values += [c.cell_contents for c in obj.__closure__ or ()
+                       if _has_contents(c)]
+        if isinstance(obj, types.MethodType):
+            values.append(obj.__self__)
+        if isinstance(obj, functools.partial):
+            values += [obj.func, obj.args, obj.keywords]
+        values += [getattr(obj, n, None) for n in _slots(type(obj))]
+        if any(id(v) in ids for v in values):
+            holders.append(type(obj).__name__)
+        stack.extend(values)
+    return sorted(set(holders))
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:
+        return False
+
+
+def roots(trainer) -> list:
+    """Where process groups can be held: the trainer (model, optimizer, config, the
+    schedule's communicator, REFT's session...) and megatron's module globals."""
+    mods = [vars(m) for name, m in list(sys.modules.items())
+            if m is not None and name.split(".")[0] == "megatron"]
+    return [trainer, *mods]
+
+
+def base_groups() -> list:
+    return list(_base_groups)
+
+
+# ---- the collectives of building the model and optimizer ----------------------------------
+# megatron-core's optimizer builder agrees on parameter groups job-wide (all_gather_object
+# over the world, core/optimizer/__init__.py _get_param_groups). A replacement process
+# makes those calls; a survivor, which keeps its optimizer, makes the same calls with the
+# same objects again (recorded at its own build), so both meet in the same collectives.
+_build_calls: list[tuple[object, int | None]] = []
+
+
+@contextlib.contextmanager
+def recording_build():
+    """Record the all_gather_object calls made while building the model and optimizer."""
+    orig = torch.distributed.all_gather_object
+
+    def recorded(object_list, obj, group=None):
+        index = None if group is None else _groups().index(group)
+        _build_calls.append((copy.deepcopy(obj), index))
+        return orig(object_list, obj, group=group)
+
+    torch.distributed.all_gather_object = recorded
+    try:
+        yield
+    finally:
+        torch.distributed.all_gather_object = orig
+
+
+def replay_build() -> None:
+    """A survivor's side of a replacement's model and optimizer build."""
+    groups = _groups()
+    for obj, index in _build_calls:
+        group = None if index is None else groups[index]
+        out = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(out, obj, group=group)
+
+
+
+# ---- the restart ---------------------------------------------------------------------
+def restart_in_process(trainer, failure: str) -> None:
+    """Generation g failed (``failure`` says how this rank saw it): leave it and go on in
+    generation g + 1 with the same model and optimizer objects, rolled back to the newest
+    committed state. Every step is timed; one ``[REFT]`` line and one event say it."""
+    from megatron.training import reft_integration
+    from megatron.training.initialize import initialize_distributed
+    from reft_ext.report.events import emit
+
+    args, s, gen = trainer.args, trainer.state, _gen
+    rank, g, t0 = gen.rank, gen.gen, time.time()
+    gen.request_abort(failure[:200])
+    gen.abort_now("this rank's collective failed")
+    reason, at = gen.reason(), s.iteration
+    emit("inprocess_abort", f"rank {rank}: generation {g} failed at iteration {at} "
+         f"({reason}); restarting in this process (pid {os.getpid()})", rank=rank,
+         generation=g, iteration=at, reason=reason, pid=os.getpid())
+    try:
+        trainer.reft.abandon()  # no commit, no waits: the committed snapshot stays
+        if trainer.reft in trainer.hooks:
+            trainer.hooks.remove(trainer.reft)
+        old = teardown()
+    except Exception as exc:  # noqa: BLE001 - this process cannot go on: replaced
+        raise RestartError(f"leaving generation {g} failed: {exc!r}") from exc
+    t_abort = time.time()
+    gen.next_generation(timeout_s=60.0 * args.distributed_timeout_minutes)
+    t_gen = time.time()
+    initialize_distributed(args)  # generation g + 1's groups, its abort watcher
+    changed = rebind(old, base_groups(), roots(trainer))
+    del old
+    t_rdzv = time.time()
+    reft_integration.startup_health_check(args)
+    replay_build()
+    if trainer.trace_group is not None:
+        trainer.trace_group = reft_integration.trace_group(args)
+    for chunk in s.model:  # a failure inside backward leaves partial gradients
+        chunk.zero_grad_buffer()
+    s.optimizer.zero_grad()
+    trainer.restarts += 1
+    trainer.timers = Timers(log_level=0, log_option="minmax")  # the step's were running
+    if trainer.events is not None:
+        trainer.events.interrupted()
+    trainer._join()  # REFT-load (own memory; peers' for the replacements), run id, data
+    if getattr(trainer.reft, "enabled", False):
+        trainer.reft.restarted_in_process = True
+    if s.iteration == 0 and at > 0:
+        # nothing restorable: a survivor cannot re-create a fresh model bit for bit
+        raise RestartError("no state to roll back to (no snapshot committed yet, no "
+                           "--load): this rank restarts as a new process")
+    check_released(roots(trainer))
+    trainer.losses = {i: v for i, v in trainer.losses.items() if i <= s.iteration}
+    t_end = time.time()
+    split = dict(abort=t_abort - t0, wait_generation=t_gen - t_abort,
+                 rendezvous=t_rdzv - t_gen, load=t_end - t_rdzv)
+    emit("inprocess_restart", f"rank {rank}: restarted in process as generation "
+         f"{gen.gen}: iteration {s.iteration} restored in {t_end - t0:.2f} s (" +
+         ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in split.items()) +
+         f"); {changed} process-group references rebound", rank=rank,
+         generation=gen.gen, iteration=s.iteration, seconds=t_end - t0, pid=os.getpid(),
+         rebound=changed, **{f"{k}_s": v for k, v in split.items()})

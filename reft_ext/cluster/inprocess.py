@@ -1,0 +1,219 @@
+"""In-process restart, the rank's side: survivors of a failure keep their process.
+
+A job started by the in-process supervisor (reft_ext/cluster/supervisor.py, run by
+``tools/launch_nodes.py --restart in-process``) lives in *generations*. Generation g's
+process groups rendezvous under the store prefix ``reft/ip/g<g>/``; when any rank of g
+dies, hangs or sees a collective fail, ``abort/<g>`` is set in the supervisor's store and
+
+1. every rank's :class:`AbortWatcher` thread notices within ``POLL_S`` and *aborts its
+   communicators*: gloo has no working ``abort()`` for a rank blocked in a collective
+   (``ProcessGroup.abort`` returns and the wait goes on: measured on torch 2.13), so the
+   watcher shuts down the process's peer TCP connections, which wakes every blocked
+   gloo wait with an error (the CPU counterpart of ``ncclCommAbort``; on NCCL the
+   process groups' own ``abort`` does this and the sockets are left alone);
+2. the trainer catches the error (:meth:`Generation.is_failure` tells a peer's failure
+   from a bug of its own), tears its groups down and reports ``ready/<g>/<rank>``;
+3. the supervisor gives the dead ranks' places to replacements (warm spares when it has
+   them) and publishes ``gen = g + 1``; every rank of g + 1 rendezvous again and rolls
+   back to the newest committed snapshot.
+
+A rank that cannot restart in place (a bug, a state it cannot rebind) just exits: the
+supervisor replaces it like a dead one, so the worst case is today's process restart.
+This module is torch-only (no megatron): the trainer's side is
+megatron/training/inprocess.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+
+import torch
+
+ENV_STORE = "REFT_INPROCESS_STORE"      # host:port of the supervisor's store
+ENV_GENERATION = "REFT_GENERATION"      # the generation this process joins first
+PREFIX = "reft/ip"
+POLL_S = 0.05                           # how often a rank looks for an abort
+
+# what a collective raises when a peer died or our own abort closed its connections
+PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+               "Connection refused", "Socket Timeout", "Timed out", "timed out",
+               "Connection timed out", "Bad file descriptor", "NCCL communicator was aborted",
+               "recvBytes", "sendBytes", "ECONNRESET", "EPIPE")
+
+
+class RestartError(RuntimeError):
+    """This rank cannot restart in its own process (it exits; a replacement takes over)."""
+
+
+def enabled() -> bool:
+    """Started by the in-process supervisor (else torchrun restarts processes)."""
+    return bool(os.environ.get(ENV_STORE))
+
+
+def _connect(timeout_s: float) -> torch.distributed.TCPStore:
+    host, port = os.environ[ENV_STORE].rsplit(":", 1)
+    return torch.distributed.TCPStore(host, int(port), is_master=False,
+                                      timeout=datetime.timedelta(seconds=timeout_s),
+                                      wait_for_workers=False)
+
+
+def key(*parts) -> str:
+    return "/".join([PREFIX, *map(str, parts)])
+
+
+def peer_sockets(exclude_ports: set[int]) -> list[int]:
+    """File descriptors of this process's connected TCP sockets whose peer port is not in
+    ``exclude_ports`` (the store's): the process groups' connections."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=int(name))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    peer = s.getpeername()
+                except OSError:
+                    peer = None  # a listening socket: no peer, nobody waits on it
+                if peer is not None and peer[1] not in exclude_ports:
+                    fds.append(int(name))
+        finally:
+            s.detach()  # the fd stays open: it is gloo's
+    return fds
+
+
+def shutdown_peer_sockets(exclude_ports: set[int]) -> int:
+    """Wake every wait on a peer connection with an error (see the module docstring);
+    returns how many connections were shut down."""
+    n = 0
+    for fd in peer_sockets(exclude_ports):
+        s = socket.socket(fileno=fd)
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return n
+
+
+class Generation:
+    """This rank's view of the job's generations (one per process, kept across them)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.gen = int(os.environ.get(ENV_GENERATION, "0"))
+        self.store = _connect(timeout_s=24 * 3600)  # waits for the next generation
+        self.store_port = int(os.environ[ENV_STORE].rsplit(":", 1)[1])
+        self.aborted = threading.Event()
+        self.abort_reason = ""
+        self.sockets_closed = 0
+        self._watcher: AbortWatcher | None = None
+        self.restarts = 0  # in-process restarts of this process
+
+    # ---- the process groups of one generation --------------------------------------
+    def pg_store(self, timeout: datetime.timedelta):
+        """The store generation g's process groups rendezvous on."""
+        store = _connect(timeout.total_seconds())
+        return torch.distributed.PrefixStore(key(f"g{self.gen}", "pg"), store)
+
+    def watch(self) -> None:
+        """Start the abort watcher for the current generation."""
+        self.aborted.clear()
+        self.abort_reason = ""
+        self._watcher = AbortWatcher(self)
+        self._watcher.start()
+
+    # ---- failure --------------------------------------------------------------------
+    def request_abort(self, reason: str) -> None:
+        """This rank saw generation g fail: every rank aborts (first reason wins)."""
+        self.store.compare_set(key("abort", self.gen), "", f"rank {self.rank}: {reason}")
+
+    def is_failure(self, exc: BaseException) -> bool:
+        """Is ``exc`` what a peer's failure (or our abort) looks like from here, rather
+        than an error of this rank's own?"""
+        if self.aborted.is_set():
+            return True
+        text = f"{type(exc).__name__}: {exc}"
+        dist_err = isinstance(exc, getattr(torch.distributed, "DistError", ()))
+        return dist_err or any(p in text for p in PEER_ERRORS)
+
+    def abort_now(self, reason: str) -> None:
+        """Abort this rank's communicators (idempotent; called by the watcher thread)."""
+        if self.aborted.is_set():
+            return
+        self.abort_reason = reason
+        self.sockets_closed = shutdown_peer_sockets({self.store_port})
+        self.aborted.set()
+
+    # ---- the next generation --------------------------------------------------------
+    def next_generation(self, timeout_s: float) -> int:
+        """Report this rank ready (its groups torn down) and wait until the supervisor
+        publishes a newer generation; returns it."""
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        old = self.gen
+        self.request_abort("restart")  # in case this rank was the first to notice
+        self.store.set(key("ready", old, self.rank), str(os.getpid()))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            g = int(self.store.get(key("gen")).decode())
+            if g > old:
+                self.gen = g
+                os.environ[ENV_GENERATION] = str(g)  # fault injection's attempt
+                self.restarts += 1
+                return g
+            time.sleep(POLL_S)
+        raise RestartError(f"no generation after {old} within {timeout_s:.0f} s "
+                           f"(the supervisor is gone?)")
+
+    def close(self) -> None:
+        """Training is over: the abort watcher stops (a thread still inside a store call
+        when the interpreter exits aborts the process)."""
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+
+    def reason(self) -> str:
+        try:
+            return self.store.get(key("abort", self.gen)).decode() or self.abort_reason
+        except Exception:  # noqa: BLE001 - the store itself may be the failure
+            return self.abort_reason
+
+
+class AbortWatcher(threading.Thread):
+    """Polls ``abort/<g>`` and aborts the rank's communicators when it appears (its own
+    store connection: the trainer's thread may be blocked in a collective)."""
+
+    def __init__(self, gen: Generation):
+        super().__init__(name=f"reft-abort-watcher-g{gen.gen}", daemon=True)
+        self.g, self.gen_no = gen, gen.gen
+        self._halt = threading.Event()
+        self.store = _connect(timeout_s=60)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        k = key("abort", self.gen_no)
+        while not self._halt.is_set():
+            try:
+                if self.store.check([k]):
+                    reason = self.store.get(k).decode()
+                    if reason:
+                        self.g.abort_now(reason)
+                        return
+            except Exception as exc:  # noqa: BLE001 - the supervisor's store is gone
+                self.g.abort_now(f"supervisor store unreachable: {exc}")
+                return
+            self._halt.wait(POLL_S)

@@ -1,0 +1,253 @@
+"""The in-process supervisor: starts every rank itself, keeps warm spares, and turns a
+failure into a new generation instead of a restart of every process.
+
+torchrun cannot do this: its agent stops every local worker when one fails, and the c10d
+rendezvous makes every other agent restart too. Here one supervisor per job (a host of
+its own on a cluster, as an etcd is; ``tools/launch_nodes.py --restart in-process`` on
+one host) owns a TCPStore and the rank processes (reft_ext/cluster/spare.py):
+
+* a rank that exits non-zero (crash, SIGKILL, its node lost), or an ``abort/<g>`` that a
+  rank set (a collective failed), ends generation g: the supervisor sets ``abort/<g>``
+  (every rank's abort watcher closes its communicators: reft_ext/cluster/inprocess.py);
+* it waits until every rank is either dead or ``ready/<g>/<rank>`` (torn down, waiting),
+  at most ``abort_timeout`` s; a rank that is neither by then (frozen) is SIGKILLed;
+* each dead rank's place goes to a warm spare (imports done) or a new worker, which
+  joins generation g + 1 directly; then ``gen = g + 1`` is published and the survivors
+  rendezvous with the replacements in the same processes they had.
+
+``history`` records every generation change (who died, the times of each step), what
+benchmarks/bench_recovery.py splits downtime with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from reft_ext.cluster.inprocess import ENV_GENERATION, ENV_STORE, key
+
+# what a warm spare imports while it waits (a cold worker imports the same on its own)
+DEFAULT_PRELOAD = ("torch,megatron.core.parallel_state,megatron.core.models.gpt,"
+                   "megatron.core.optimizer,megatron.training.training,reft_ext.session")
+
+
+@dataclass
+class SupervisorConfig:
+    world_size: int
+    ranks_per_node: int
+    script: str
+    script_args: list[str]
+    job_id: str
+    log_dir: str
+    spares: int = 0               # warm workers kept ready beside the job's ranks
+    max_restarts: int = 3         # generations after the first (torchrun's meaning)
+    abort_timeout: float = 30.0   # s a rank may take to stop after an abort (then killed)
+    preload: str = DEFAULT_PRELOAD
+    env: dict = field(default_factory=dict)
+    cwd: str = ""
+
+    def __post_init__(self):
+        if self.world_size < 1 or self.ranks_per_node < 1 or \
+                self.world_size % self.ranks_per_node:
+            raise ValueError(f"--nproc-per-node {self.ranks_per_node} must divide the "
+                             f"world size {self.world_size}")
+        if self.spares < 0:
+            raise ValueError(f"--spares: must be >= 0, got {self.spares}")
+        if self.abort_timeout <= 0:
+            raise ValueError(f"--abort-timeout: must be > 0, got {self.abort_timeout}")
+
+
+class _Worker:
+    def __init__(self, wid: int, proc: subprocess.Popen, log: str, started: float):
+        self.wid, self.proc, self.log, self.started = wid, proc, log, started
+        self.rank: int | None = None
+
+
+class Supervisor:
+    """start(), kill_rank(r), wait(), close(); ``logs[rank]`` and ``history``."""
+
+    def __init__(self, cfg: SupervisorConfig):
+        self.cfg = cfg
+        self.store = None
+        self.port = 0
+        self.gen = 0
+        self.ranks: dict[int, _Worker] = {}   # rank -> its current worker
+        self.spares: list[_Worker] = []
+        self.logs: dict[int, list[str]] = {r: [] for r in range(cfg.world_size)}
+        self.history: list[dict] = []
+        self.returncode: int | None = None
+        self.failure = ""
+        self._next_wid = 0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        os.makedirs(cfg.log_dir, exist_ok=True)
+
+    # ---- workers ----------------------------------------------------------------
+    def _spawn(self) -> _Worker:
+        wid, self._next_wid = self._next_wid, self._next_wid + 1
+        log = os.path.join(self.cfg.log_dir, f"worker{wid}.log")
+        cmd = [sys.executable, "-m", "reft_ext.cluster.spare", "--store",
+               f"127.0.0.1:{self.port}", "--id", str(wid), "--preload", self.cfg.preload,
+               "--", self.cfg.script, *self.cfg.script_args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.cfg.env)
+        env.pop("TORCHELASTIC_RESTART_COUNT", None)
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                    cwd=self.cfg.cwd or None, start_new_session=True)
+        return _Worker(wid, proc, log, time.time())
+
+    def _assign(self, w: _Worker, rank: int) -> None:
+        c = self.cfg
+        env = {"RANK": str(rank), "WORLD_SIZE": str(c.world_size),
+               "LOCAL_RANK": str(rank % c.ranks_per_node),
+               "LOCAL_WORLD_SIZE": str(c.ranks_per_node),
+               "GROUP_RANK": str(rank // c.ranks_per_node),
+               "REFT_NODE_SLOT": str(rank // c.ranks_per_node),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
+               "TORCHELASTIC_RUN_ID": c.job_id, ENV_STORE: f"127.0.0.1:{self.port}",
+               ENV_GENERATION: str(self.gen)}
+        w.rank = rank
+        self.ranks[rank] = w
+        self.logs[rank].append(w.log)
+        self.store.set(key("assign", w.wid), json.dumps(env))
+
+    def _take_worker(self) -> _Worker:
+        """A warm spare if one is left (the pool is refilled behind it), else a new one."""
+        w = self.spares.pop(0) if self.spares else self._spawn()
+        while len(self.spares) < self.cfg.spares:
+            self.spares.append(self._spawn())
+        return w
+
+    # ---- life cycle -------------------------------------------------------------
+    def start(self) -> "Supervisor":
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True,
+                              wait_for_workers=False)
+        self.port = self.store.port
+        self.store.set(key("gen"), "0")
+        for r in range(self.cfg.world_size):
+            self._assign(self._spawn(), r)
+        while len(self.spares) < self.cfg.spares:
+            self.spares.append(self._spawn())
+        self._thread = threading.Thread(target=self._run, name="reft-supervisor",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    codes = {r: w.proc.poll() for r, w in self.ranks.items()}
+                    dead = sorted(r for r, c in codes.items() if c not in (None, 0))
+                    if all(c is not None for c in codes.values()) and \
+                            (not dead or 0 in codes.values()):
+                        # every rank ended; once one has finished training the job is
+                        # over, and a rank failing in its shutdown does not rerun it
+                        self.returncode = max(codes.values())
+                        if dead:
+                            self.failure = f"rank(s) {dead} failed after training ended"
+                        return
+                    if 0 in codes.values():
+                        time.sleep(0.02)  # finishing: the others are saving, exiting
+                        continue
+                    asked = self.store.check([key("abort", self.gen)])
+                    if dead or asked:
+                        if not self._new_generation(dead):
+                            return
+                        continue
+                time.sleep(0.02)
+        except Exception as exc:  # noqa: BLE001 - reported, the job is stopped
+            self.failure = f"supervisor: {type(exc).__name__}: {exc}"
+            self.returncode = 1
+            self._kill_all()
+
+    def _new_generation(self, dead: list[int]) -> bool:
+        """End generation g: abort, wait for survivors or deaths, replace, publish g+1."""
+        g, t_detect = self.gen, time.time()
+        reason = f"rank(s) {dead} exited" if dead else "a rank asked"
+        self.store.compare_set(key("abort", g), "", f"supervisor: {reason}")
+        deadline = time.time() + self.cfg.abort_timeout
+        waiting = set(self.ranks)
+        while True:
+            for r in sorted(waiting):
+                w = self.ranks[r]
+                if w.proc.poll() is not None:
+                    waiting.discard(r)
+                elif self.store.check([key("ready", g, r)]):
+                    waiting.discard(r)
+            if not waiting:
+                break
+            if time.time() > deadline:  # frozen: the same as dead
+                for r in waiting:
+                    _killpg(self.ranks[r].proc.pid, signal.SIGKILL)
+                    self.ranks[r].proc.wait()
+                break
+            time.sleep(0.02)
+        t_ready = time.time()
+        dead = sorted(r for r, w in self.ranks.items() if w.proc.poll() is not None)
+        if len(self.history) >= self.cfg.max_restarts:
+            self.failure = (f"generation {g} failed ({reason}) and --max-restarts "
+                            f"{self.cfg.max_restarts} are used up")
+            self.returncode = 1
+            self._kill_all()
+            return False
+        self.gen = g + 1
+        warm = []
+        for r in dead:
+            w = self._take_worker()
+            warm.append(self.store.check([key("warm", w.wid)]))
+            self._assign(w, r)
+        self.store.set(key("gen"), str(self.gen))
+        self.history.append(dict(generation=self.gen, reason=reason, dead=dead,
+                                 warm=warm, t_detect=t_detect, t_ready=t_ready,
+                                 t_published=time.time()))
+        return True
+
+    # ---- faults from outside (tests, benchmarks) -----------------------------------
+    def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        with self._lock:
+            _killpg(self.ranks[rank].proc.pid, sig)
+
+    def pids(self) -> dict[int, int]:
+        return {r: w.proc.pid for r, w in self.ranks.items()}
+
+    # ---- the end ----------------------------------------------------------------
+    def wait(self, timeout: float) -> int:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self.close()
+                raise TimeoutError(f"the job is still running after {timeout} s")
+        return self.returncode if self.returncode is not None else 1
+
+    def _kill_all(self) -> None:
+        for w in list(self.ranks.values()) + self.spares:
+            if w.proc.poll() is None:
+                _killpg(w.proc.pid, signal.SIGKILL)
+                w.proc.wait()
+
+    def close(self) -> None:
+        """Nothing started here outlives the supervisor (ranks, spares)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        self._kill_all()
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
