@@ -154,6 +154,13 @@ class LaunchConfig:
              "joined (torchrun's last_call_timeout, 30 by default)"))
     log_dir: str = field(default="", metadata=dict(
         help="one log per agent start (default: a new temporary directory)"))
+    restart: str = field(default="process", metadata=dict(
+        help="process: torchrun agents restart every worker of the job on a failure | "
+             "in-process: one supervisor starts the ranks, replaces only the dead ones and "
+             "the survivors restart in their own processes (tools/inprocess_launcher.py)"))
+    spares: int = field(default=0, metadata=dict(
+        help="--restart in-process: warm workers (torch and megatron-core imported) kept "
+             "ready to replace a dead rank"))
 
     def __post_init__(self):
         if self.nnodes < 1 or self.nnodes > 89:
@@ -169,6 +176,11 @@ class LaunchConfig:
         if self.job_id and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", self.job_id):
             raise LaunchError(f"--job-id: letters, digits, '.', '_', '-' only, got "
                               f"{self.job_id!r}")
+        if self.restart not in ("process", "in-process"):
+            raise LaunchError(f"--restart: process or in-process, got {self.restart!r}")
+        if self.spares < 0 or (self.spares and self.restart != "in-process"):
+            raise LaunchError(f"--spares: >= 0 and only with --restart in-process (torchrun "
+                              f"starts its workers itself), got {self.spares}")
         self.job_id = self.job_id or f"nodes-{uuid.uuid4().hex[:8]}"
         # port 0: the rendezvous store binds a port of the kernel's choice at start()
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix=f"{self.job_id}-logs-")
@@ -275,6 +287,9 @@ class NodeLauncher:
             shutil.rmtree(self.shm_dir_of(node), ignore_errors=True)
         node_status.write(self.cfg.shm_dir, self.cfg.job_id, node, node_status.OFFLINE,
                           detail="node killed by the launcher")
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs.values())
 
     def replace_node(self, node: int) -> subprocess.Popen:
         """A new agent (empty memory if the node was wiped) for the same slot."""
@@ -390,22 +405,28 @@ def main(argv=None) -> int:
         cfg = LaunchConfig(**vars(opts))
     except LaunchError as exc:
         p.error(str(exc))
-    launcher = NodeLauncher(cfg, rest[1:], script=rest[0])
+    if cfg.restart == "in-process":
+        from tools.inprocess_launcher import InProcessLauncher
+
+        launcher = InProcessLauncher(cfg, rest[1:], script=rest[0])
+    else:
+        launcher = NodeLauncher(cfg, rest[1:], script=rest[0])
     stop = []
     # preemption of the launcher = preemption of every node
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     launcher.start()  # binds the rendezvous port (--port 0: the kernel's choice)
-    print(f"job {cfg.job_id}: {cfg.nnodes} agents x {cfg.nproc_per_node} ranks, rendezvous "
-          f"127.0.0.1:{cfg.port}, logs in {cfg.log_dir}", flush=True)
+    what = "agents" if cfg.restart == "process" else "nodes (in-process restart)"
+    print(f"job {cfg.job_id}: {cfg.nnodes} {what} x {cfg.nproc_per_node} ranks, "
+          f"logs in {cfg.log_dir}", flush=True)
     try:
-        while not stop and any(pr.poll() is None for pr in launcher.procs.values()):
+        while not stop and launcher.running():
             time.sleep(0.2)
         codes = launcher.terminate(timeout=120) if stop else launcher.wait(timeout=1e9)
     finally:
         launcher.close()
     for n in range(cfg.nnodes):
-        print(f"node {n}: exit {codes.get(n)}, log {launcher.logs[n][-1]}")
+        print(f"node {n}: exit {codes.get(n)}, logs in {cfg.log_dir}")
     return 0 if stop or all(c == 0 for c in codes.values()) else 1
 
 

@@ -311,9 +311,12 @@ def restart_in_process(trainer, failure: str) -> None:
          f"({reason}); restarting in this process (pid {os.getpid()})", rank=rank,
          generation=g, iteration=at, reason=reason, pid=os.getpid())
     try:
-        trainer.reft.abandon()  # no commit, no waits: the committed snapshot stays
-        if trainer.reft in trainer.hooks:
-            trainer.hooks.remove(trainer.reft)
+        reft = getattr(trainer, "reft", None)  # None: the failure came before it opened
+        if reft is not None:
+            reft.abandon()  # no commit, no waits: the committed snapshot stays
+            if reft in trainer.hooks:
+                trainer.hooks.remove(reft)
+        del reft
         old = teardown()
     except Exception as exc:  # noqa: BLE001 - this process cannot go on: replaced
         raise RestartError(f"leaving generation {g} failed: {exc!r}") from exc
@@ -352,4 +355,13 @@ def restart_in_process(trainer, failure: str) -> None:
          ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in split.items()) +
          f"); {changed} process-group references rebound", rank=rank,
          generation=gen.gen, iteration=s.iteration, seconds=t_end - t0, pid=os.getpid(),
-         rebound=changed, **{f"{k}_s": v for k, v in split.items()})
+         rebound=changed, rss_mb=_rss_mb(), **{f"{k}_s": v for k, v in split.items()})
+
+
+def _rss_mb() -> float:
+    """This process's resident memory (what a leak across restarts would grow)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0

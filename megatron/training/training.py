@@ -125,7 +125,21 @@ class Trainer:
         self.marks.append(("model+optimizer", time.time()))
         self.logger = TrainLogger(args, self.state)
         self.losses: dict[int, str] = {}  # iteration -> loss as float.hex, for tests
-        self._join()
+        self._failure = None  # a generation that failed while this rank joined it
+        try:
+            self._join()
+        except Exception as exc:  # noqa: BLE001 - a replacement's start-up: see train()
+            self._failure = self._restartable(exc)
+
+    def _restartable(self, exc: Exception) -> str:
+        """``exc`` as the text of a failure this rank restarts from in its own process,
+        or raised again (not started by the in-process supervisor, or an error of its
+        own). Only the text is kept: the traceback's frames hold the failed
+        generation's objects (the session, its process groups), which must be freed."""
+        if not inprocess.should_restart(self.args, exc):
+            raise exc
+        exc.__traceback__ = None
+        return f"{type(exc).__name__}: {exc}"
 
     def _join(self) -> None:
         """The job-wide part of start-up after the model exists (collective, in this
@@ -255,20 +269,15 @@ class Trainer:
         job (a peer's death, a hang turned into a kill, a failed collective) ends the
         generation, and this rank restarts in its own process (megatron/training/
         inprocess.py); an error of its own still ends the process."""
-        failure = None
+        failure, self._failure = self._failure, None
         while True:
             try:
                 if failure is not None:
                     inprocess.restart_in_process(self, failure)
                     failure = None
                 return self._train()
-            except Exception as exc:  # noqa: BLE001 - classified by should_restart
-                if not inprocess.should_restart(self.args, exc):
-                    raise
-                # its text only: the traceback's frames hold the failed generation's
-                # objects (the session, its process groups), which must be freed
-                failure = f"{type(exc).__name__}: {exc}"
-                exc.__traceback__ = None
+            except Exception as exc:  # noqa: BLE001 - classified by _restartable
+                failure = self._restartable(exc)
 
     def _train(self) -> TrainingState:
         args, s = self.args, self.state

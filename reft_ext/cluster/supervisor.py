@@ -220,6 +220,10 @@ class Supervisor:
         with self._lock:
             _killpg(self.ranks[rank].proc.pid, sig)
 
+    def max_restarts_reached(self) -> None:
+        """No new generation from now on (preemption: the job is being stopped)."""
+        self.cfg.max_restarts = len(self.history)
+
     def pids(self) -> dict[int, int]:
         return {r: w.proc.pid for r, w in self.ranks.items()}
 

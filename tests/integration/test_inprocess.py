@@ -1,0 +1,125 @@
+"""In-process restart (--reft-restart in-process, tools/launch_nodes.py --restart in-process):
+real rank processes started by the supervisor, real SIGKILLs, real gloo; the survivors
+of a failure must keep their processes and the job must end bit-identical (every rank's
+whole state, every loss) to the failure-free run of the same flags."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import pytest
+
+from tests.harness import events as ev
+from tests.harness.recovery import reft
+from tests.harness.run import LAYOUTS, TINY, events_file, parse
+
+from tools.inprocess_launcher import InProcessLauncher
+from tools.launch_nodes import LaunchConfig
+
+ITERS = 7
+ARGS = [*TINY, *LAYOUTS["pp2dp2-zero1"], "--train-iters", str(ITERS),
+        *reft("arc,aor", ranks_per_node=1)]
+
+
+def launch(tmp_path, args, nnodes=4, nproc=1, spares=1, max_restarts=3) -> InProcessLauncher:
+    cfg = LaunchConfig(nnodes=nnodes, nproc_per_node=nproc, restart="in-process",
+                       spares=spares, max_restarts=max_restarts,
+                       log_dir=tempfile.mkdtemp(dir=tmp_path, prefix="logs-"))
+    L = InProcessLauncher(cfg, args, env={ev.ENV: events_file(str(tmp_path))})
+    L.events_path = L.sup.cfg.env[ev.ENV]
+    return L.start()
+
+
+def finish(L: InProcessLauncher, timeout: float = 240):
+    codes = L.wait(timeout)
+    return parse(L.outputs(), max(codes.values()), L.events_path)
+
+
+def assert_exact(run, ref) -> None:
+    """Every rank's state hash equal; every loss the last rank logged equal, through
+    the last iteration."""
+    assert run.hashes == ref.hashes, (run.hashes, ref.hashes)
+    assert max(run.losses) == ITERS
+    assert all(run.losses[i] == ref.losses[i] for i in run.losses), (run.losses, ref.losses)
+
+
+def restarts(run) -> list[dict]:
+    return run.events_of("inprocess_restart")
+
+
+@pytest.mark.timeout(420)
+def test_crash_then_a_failure_during_the_recovery(tmp_path, reference_runs):
+    """Rank 1 is SIGKILLed before its optimizer step of iteration 4; while the job recovers
+    in generation 1, rank 2 is SIGKILLed inside REFT-load. Ranks 0 and 3 go through both
+    generations in the processes they started with; ranks 1 and 2 are replaced by warm
+    spares; the job ends exactly as the failure-free run."""
+    ref = reference_runs("inprocess", 4, ARGS)
+    faults = "1:4,2:3:KILL::1@load-read"
+    with launch(tmp_path, [*ARGS, "--inject-fault", faults],
+                spares=2) as L:
+        first_pids = L.sup.pids()
+        run = finish(L)
+        history = list(L.history)
+    assert run.returncode == 0, run.output[-6000:]
+    # both faults really fired, where and when they were meant to
+    assert re.search(r"\[FAULT\] injecting SIGKILL into rank 1 .* iteration 4, phase step",
+                     run.output)
+    assert re.search(r"\[FAULT\] injecting SIGKILL into rank 2 .* iteration 3, phase "
+                     r"load-read", run.output)
+    assert [h["dead"] for h in history] == [[1], [2]]
+    assert [h["warm"] for h in history] == [[True], [True]]
+    # the survivors of both failures left generations 0 and 1 (the second failure cut
+    # the first recovery short) and finished the restart as generation 2, all in the
+    # processes they started with
+    for rank in (0, 3):
+        aborts = run.events_of("inprocess_abort", rank=rank)
+        mine = [e for e in restarts(run) if e["rank"] == rank]
+        assert [e["generation"] for e in aborts] == [0, 1], aborts
+        assert [(e["generation"], e["iteration"]) for e in mine] == [(2, 3)], mine
+        assert {e["pid"] for e in aborts + mine} == {first_pids[rank]}
+    # rank 2 left generation 0 in process and died inside the recovery of generation 1
+    assert run.events_of("inprocess_abort", rank=2, generation=0)
+    assert not [e for e in restarts(run) if e["rank"] == 2]
+    assert_exact(run, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_lost_node_is_restored_from_peers_while_the_others_stay(tmp_path, reference_runs):
+    """A whole node (rank 2's processes and shared memory) is lost from outside while the
+    job runs; the replacement takes a warm spare and is restored from its peers' ARC
+    replica and AOR copy; the others restart in process; exact."""
+    ref = reference_runs("inprocess", 4, ARGS)
+    with launch(tmp_path, ARGS) as L:
+        first_pids = L.sup.pids()
+        L.wait_for(r"iteration\s+3/", timeout=180)
+        L.kill_node(2)
+        run = finish(L)
+        history = list(L.history)
+    assert run.returncode == 0, run.output[-6000:]
+    assert [h["dead"] for h in history] == [[2]] and history[0]["warm"] == [True]
+    assert {e["rank"] for e in restarts(run)} == {0, 1, 3}
+    assert all(e["pid"] == first_pids[e["rank"]] for e in restarts(run))
+    it = restarts(run)[0]["iteration"]
+    assert run.events_of("recovered", rank=2, iteration=it, source="replica")
+    assert_exact(run, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_five_restarts_leak_nothing(tmp_path, reference_runs):
+    """Five failures in a row (rank 1 killed in generations 0-4): a survivor's memory
+    after the fifth in-process restart is what it was after the first (the failed
+    generations' process groups, sessions and threads are freed), and the job is exact."""
+    ref = reference_runs("inprocess", 4, ARGS)
+    faults = ",".join(f"1:{2 + g % 4}:KILL::{g}" for g in range(5))
+    with launch(tmp_path, [*ARGS, "--inject-fault", faults],
+                spares=1, max_restarts=5) as L:
+        run = finish(L, timeout=540)
+    assert run.returncode == 0, run.output[-6000:]
+    mine = [e for e in restarts(run) if e["rank"] == 0]
+    assert [e["generation"] for e in mine] == [1, 2, 3, 4, 5]
+    growth = mine[-1]["rss_mb"] - mine[0]["rss_mb"]
+    assert growth < 0.05 * mine[0]["rss_mb"], [e["rss_mb"] for e in mine]
+    assert_exact(run, ref)

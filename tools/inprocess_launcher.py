@@ -1,0 +1,129 @@
+"""The in-process launcher: tools/launch_nodes.py with ``--restart in-process``.
+
+The same node slots, logs and faults from outside as :class:`tools.launch_nodes.NodeLauncher`
+(start, kill_node, wait, output, wait_for, close), but no torchrun agents: one
+supervisor (reft_ext/cluster/supervisor.py) starts every rank itself, replaces a dead
+rank with a warm spare (``--spares``) or a new worker, and the survivors of a failure
+restart inside their own processes (reft_ext/cluster/inprocess.py, docs/nodes.md).
+
+    python tools/launch_nodes.py --restart in-process --spares 2 --nnodes 2 \\
+        --nproc-per-node 2 -- pretrain_llama.py --reft-snapshot-every 1 ...
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+
+from reft_ext.cluster import status as node_status
+from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig
+from reft_ext.store import paths
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class InProcessLauncher:
+    """start(), kill_node(i), wait(), output(i), wait_for(), close(); ``history``."""
+
+    def __init__(self, cfg, script_args: list[str], env: dict | None = None,
+                 script: str = "pretrain_llama.py"):
+        self.cfg = cfg
+        path = script if os.path.isabs(script) else os.path.join(REPO, script)
+        run_env = {"PYTHONWARNINGS": "ignore",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get(
+                       "PYTHONPATH")]))}
+        run_env.update(env or {})
+        self.sup = Supervisor(SupervisorConfig(
+            world_size=cfg.nnodes * cfg.nproc_per_node, ranks_per_node=cfg.nproc_per_node,
+            script=path, script_args=list(script_args), job_id=cfg.job_id,
+            log_dir=cfg.log_dir, spares=cfg.spares, max_restarts=cfg.max_restarts,
+            env=run_env, cwd=REPO))
+
+    @property
+    def job_id(self) -> str:
+        return self.cfg.job_id
+
+    @property
+    def history(self) -> list[dict]:
+        return self.sup.history
+
+    def shm_dir_of(self, node: int) -> str:
+        return paths.node_dir(self.cfg.shm_dir, self.cfg.job_id, node)
+
+    def ranks_of(self, node: int) -> list[int]:
+        n = self.cfg.nproc_per_node
+        return list(range(node * n, (node + 1) * n))
+
+    # ---- life cycle -------------------------------------------------------------
+    def start(self) -> "InProcessLauncher":
+        self.sup.start()
+        return self
+
+    def kill_node(self, node: int, wipe: bool = True) -> None:
+        """The node is gone: its ranks SIGKILLed, its watcher too, its shared memory
+        removed. The supervisor replaces its ranks in the next generation."""
+        for r in self.ranks_of(node):
+            self.sup.kill_rank(r, signal.SIGKILL)
+        node_status.kill_watcher(self.cfg.shm_dir, self.cfg.job_id, node)
+        if wipe:
+            shutil.rmtree(self.shm_dir_of(node), ignore_errors=True)
+
+    def running(self) -> bool:
+        return self.sup.alive()
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout: float = 60) -> dict[int, int]:
+        """Preemption: every rank gets ``sig`` (the trainer's exit-signal handling) and
+        the job ends without a new generation."""
+        self.sup.max_restarts_reached()
+        for r in self.sup.pids():
+            self.sup.kill_rank(r, sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 300) -> dict[int, int]:
+        """Wait for the job; {node: exit code} (one code: the job's)."""
+        code = self.sup.wait(timeout)
+        if self.sup.failure:
+            print(f"[launcher] {self.sup.failure}", flush=True)
+        return {n: code for n in range(self.cfg.nnodes)}
+
+    def wait_for(self, pattern: str, node: int | None = None, timeout: float = 120) -> str:
+        rx, deadline = re.compile(pattern), time.time() + timeout
+        while time.time() < deadline:
+            for n in ([node] if node is not None else range(self.cfg.nnodes)):
+                m = rx.search(self.output(n))
+                if m:
+                    return m.group(0)
+            time.sleep(0.05)
+        raise TimeoutError(f"no {pattern!r} in the output after {timeout} s:\n"
+                           f"{self.outputs()[-4000:]}")
+
+    def close(self) -> None:
+        self.sup.close()
+        for n in range(self.cfg.nnodes):
+            node_status.kill_watcher(self.cfg.shm_dir, self.cfg.job_id, n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- output -----------------------------------------------------------------
+    def output(self, node: int) -> str:
+        """Everything the node's ranks printed, worker after worker."""
+        parts = []
+        for r in self.ranks_of(node):
+            for path in self.sup.logs[r]:
+                with open(path, errors="replace") as f:
+                    parts.append(f.read())
+        return "".join(parts)
+
+    def outputs(self) -> str:
+        return "".join(self.output(n) for n in range(self.cfg.nnodes))
+
+    def cleanup_shm(self) -> None:
+        for d in __import__("glob").glob(paths.node_glob(self.cfg.shm_dir, self.cfg.job_id)):
+            shutil.rmtree(d, ignore_errors=True) if os.path.isdir(d) else os.unlink(d)
