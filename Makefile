@@ -14,7 +14,7 @@ RUN_DIR ?= runs/default
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run demo test test-all chaos bench clean
+.PHONY: install run run-inprocess demo test test-all chaos bench clean
 
 $(STAMP): setup.py pyproject.toml constraints.txt csrc/setup_ext.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,15 @@ run: install
 	    pretrain_llama.py $(JOB_ARGS) \
 	    --save $(RUN_DIR)/checkpoints --load $(RUN_DIR)/checkpoints \
 	    --tensorboard-dir $(RUN_DIR)/tensorboard $(ARGS) 2>&1 | tee $(RUN_DIR)/train.log
+
+# The same job under the in-process supervisor: a failed rank is replaced by a warm spare
+# and the others restart inside their own processes (docs/nodes.md). Try ARGS=--inject-fault 1:150
+run-inprocess: install
+	mkdir -p $(RUN_DIR)
+	$(PY) tools/launch_nodes.py --restart in-process --spares 1 --nnodes $(NPROC) \
+	    --nproc-per-node 1 --max-restarts 3 --log-dir $(RUN_DIR)/logs -- \
+	    pretrain_llama.py $(JOB_ARGS) --save $(RUN_DIR)/checkpoints --load $(RUN_DIR)/checkpoints \
+	    --tensorboard-dir $(RUN_DIR)/tensorboard $(ARGS) 2>&1 | tee $(RUN_DIR)/launcher.log
 
 # The same job from scratch with a crash (rank 1, iteration 150) and a lost node (rank 2
 # and its shared memory, iteration 250, on the restarted attempt); prints what happened

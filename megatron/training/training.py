@@ -30,6 +30,7 @@ from megatron.training.signals import ExitSignal
 from megatron.training.train_log import TrainLogger
 from megatron.training.train_state import TrainingState, params_hash
 from megatron.training.utils import emit, is_last_rank, print_rank_0, process_start_time
+from reft_ext.report.events import record
 from reft_ext.testing import fault_point  # --inject-fault moments (no-op in production)
 
 
@@ -289,6 +290,7 @@ class Trainer:
             self._maybe_skip_batches()
             if first:
                 self.logger.startup(t0 - self.t_process, self._startup_split())
+                record("startup", process_start=self.t_process, marks=self.marks)
                 first = False
             loss, skipped, grad_norm = self.train_step()
             s.iteration += 1
@@ -308,6 +310,8 @@ class Trainer:
             if self.ckpt:
                 self.ckpt.maybe_finalize(blocking=False)
             self.logger.iteration(loss, grad_norm, skipped, time.time() - t0, self.timers)
+            if "lm loss" in loss:  # one rank: when each iteration ended (downtime figures)
+                record("iteration", iteration=s.iteration)
             if s.iteration % args.eval_interval == 0 and args.eval_iters > 0:
                 with self._long_phase():
                     self.evaluate()

@@ -44,7 +44,10 @@ def is_last_rank() -> bool:
 
 
 def process_start_time() -> float:
-    """Wall-clock time at which this process started (for start-up latency figures)."""
+    """Wall-clock time at which this process started (for start-up latency figures); a
+    warm spare's (reft_ext/cluster/spare.py) life as a rank starts at its assignment."""
+    if os.environ.get("REFT_WARM_START"):
+        return float(os.environ["REFT_WARM_START"])
     try:
         import psutil
 

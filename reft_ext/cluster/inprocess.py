@@ -105,6 +105,13 @@ def shutdown_peer_sockets(exclude_ports: set[int]) -> int:
     return n
 
 
+def is_peer_error(exc: BaseException) -> bool:
+    """What a collective raises when a peer died or the connections were aborted."""
+    text = f"{type(exc).__name__}: {exc}"
+    dist_err = isinstance(exc, getattr(torch.distributed, "DistError", ()))
+    return dist_err or any(p in text for p in PEER_ERRORS)
+
+
 class Generation:
     """This rank's view of the job's generations (one per process, kept across them)."""
 
@@ -140,11 +147,7 @@ class Generation:
     def is_failure(self, exc: BaseException) -> bool:
         """Is ``exc`` what a peer's failure (or our abort) looks like from here, rather
         than an error of this rank's own?"""
-        if self.aborted.is_set():
-            return True
-        text = f"{type(exc).__name__}: {exc}"
-        dist_err = isinstance(exc, getattr(torch.distributed, "DistError", ()))
-        return dist_err or any(p in text for p in PEER_ERRORS)
+        return self.aborted.is_set() or is_peer_error(exc)
 
     def abort_now(self, reason: str) -> None:
         """Abort this rank's communicators (idempotent; called by the watcher thread)."""

@@ -22,6 +22,21 @@ import sys
 import time
 
 
+def _die_with_parent() -> None:
+    """A worker never outlives its supervisor (killed or crashed, it cannot clean up):
+    the kernel SIGKILLs it when the supervisor dies (PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the supervisor died before the prctl
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass  # not Linux: the supervisor's close() is all there is
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -32,6 +47,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if not rest:
         p.error("give the training script after '--'")
+    _die_with_parent()
     t0 = time.time()
     for mod in filter(None, a.preload.split(",")):
         importlib.import_module(mod)

@@ -11,15 +11,17 @@ import tempfile
 import pytest
 
 from tests.harness import events as ev
-from tests.harness.recovery import reft
+from tests.harness.recovery import N, reft
 from tests.harness.run import LAYOUTS, TINY, events_file, parse
 
 from tools.inprocess_launcher import InProcessLauncher
 from tools.launch_nodes import LaunchConfig
 
-ITERS = 7
-ARGS = [*TINY, *LAYOUTS["pp2dp2-zero1"], "--train-iters", str(ITERS),
-        *reft("arc,aor", ranks_per_node=1)]
+ITERS = int(N[1])
+# the failure-free run: REFT does not change the numbers, so the plain run of the same
+# model, layout and length is the reference (shared with the other recovery tests)
+REF = [*TINY, *N, *LAYOUTS["pp2dp2-zero1"]]
+ARGS = [*REF, *reft("arc,aor", ranks_per_node=1)]
 
 
 def launch(tmp_path, args, nnodes=4, nproc=1, spares=1, max_restarts=3) -> InProcessLauncher:
@@ -54,7 +56,7 @@ def test_crash_then_a_failure_during_the_recovery(tmp_path, reference_runs):
     in generation 1, rank 2 is SIGKILLed inside REFT-load. Ranks 0 and 3 go through both
     generations in the processes they started with; ranks 1 and 2 are replaced by warm
     spares; the job ends exactly as the failure-free run."""
-    ref = reference_runs("inprocess", 4, ARGS)
+    ref = reference_runs("pp2dp2-zero1", 4, REF)
     faults = "1:4,2:3:KILL::1@load-read"
     with launch(tmp_path, [*ARGS, "--inject-fault", faults],
                 spares=2) as L:
@@ -90,7 +92,7 @@ def test_lost_node_is_restored_from_peers_while_the_others_stay(tmp_path, refere
     """A whole node (rank 2's processes and shared memory) is lost from outside while the
     job runs; the replacement takes a warm spare and is restored from its peers' ARC
     replica and AOR copy; the others restart in process; exact."""
-    ref = reference_runs("inprocess", 4, ARGS)
+    ref = reference_runs("pp2dp2-zero1", 4, REF)
     with launch(tmp_path, ARGS) as L:
         first_pids = L.sup.pids()
         L.wait_for(r"iteration\s+3/", timeout=180)
@@ -112,7 +114,7 @@ def test_five_restarts_leak_nothing(tmp_path, reference_runs):
     """Five failures in a row (rank 1 killed in generations 0-4): a survivor's memory
     after the fifth in-process restart is what it was after the first (the failed
     generations' process groups, sessions and threads are freed), and the job is exact."""
-    ref = reference_runs("inprocess", 4, ARGS)
+    ref = reference_runs("pp2dp2-zero1", 4, REF)
     faults = ",".join(f"1:{2 + g % 4}:KILL::{g}" for g in range(5))
     with launch(tmp_path, [*ARGS, "--inject-fault", faults],
                 spares=1, max_restarts=5) as L:

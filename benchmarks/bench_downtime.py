@@ -1,0 +1,170 @@
+"""Downtime per failure: process restart vs in-process restart vs in-process with a warm
+spare, side by side in one run (also `bench_recovery.py --parts downtime`).
+
+    python benchmarks/bench_downtime.py [--repeats 3] [--scenarios crash,node]
+
+crash: the tiny default job (`make run`'s flags, 4 ranks, TP1xPP2xDP2 ZeRO-1, arc,aor,
+each rank its own failure domain); rank 1 is SIGKILLed before its optimizer step of
+iteration 5 (``--inject-fault 1:5``). node: 24 layers x hidden 512, TP1xPP2xDP2; rank 1
+is SIGKILLed at iteration 3 and its failure domain's shared memory removed
+(``1:3:KILL:node``), so it is restored from its peers (ARC replica).
+
+Modes: process = torchrun (--standalone, --max-restarts 1) restarts every worker;
+in-process = tools/launch_nodes.py --restart in-process: survivors stay, the dead rank's
+replacement starts cold; + warm spare = the same with ``--spares 1``.
+
+Downtime = the fault's moment (its ``fault`` event, written just before the signal) to
+the end of the first iteration after the restored one (the ``iteration`` event). The
+split, from the processes' own events: process mode: restart (kill -> the new processes
+exist), imports, init (process groups, health check), build (model, optimizer), load
+(REFT-load), data, first iteration; in-process: abort (kill -> every survivor out of the
+failed generation), wait (-> the next generation published: the replacement assigned),
+rendezvous (-> new process groups: includes a cold replacement's imports), rejoin (the
+replacement's build replayed, REFT-load, data), first iteration. Medians over
+interleaved rounds (A B C A B C ...); every round is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from reft_ext.report.events import read as read_events  # noqa: E402
+from reft_ext.report.progress import Progress  # noqa: E402
+from tools.inprocess_launcher import InProcessLauncher  # noqa: E402
+from tools.launch_nodes import LaunchConfig  # noqa: E402
+
+REFT = ["--reft-snapshot-every", "1", "--reft-protect", "arc,aor", "--reft-ranks-per-node",
+        "1", "--log-interval", "1", "--eval-iters", "0", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
+SCENARIOS = {
+    "crash": (["--model-size", "tiny", "--pipeline-model-parallel-size", "2",
+               "--use-distributed-optimizer", "--micro-batch-size", "4",
+               "--global-batch-size", "32", "--train-iters", "7", *REFT], "1:5"),
+    "node": (["--num-layers", "24", "--hidden-size", "512", "--num-attention-heads", "8",
+              "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
+              "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+              "--train-iters", "4", "--lr-warmup-iters", "0", *REFT], "1:3:KILL:node"),
+}
+MODES = ("process", "in-process", "in-process + warm spare")
+
+
+def _env(events: str) -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
+                REFT_EVENTS_FILE=events, PYTHONPATH=REPO)
+
+
+def run_process(args: list[str], events: str, tmp: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=4", "--max-restarts=1", os.path.join(REPO, "pretrain_llama.py"),
+           *args]
+    log = os.path.join(tmp, "torchrun.log")
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, cwd=REPO, env=_env(events), stdout=f,
+                             stderr=subprocess.STDOUT, timeout=900)
+    if rc:
+        sys.exit(f"torchrun failed ({rc}):\n{open(log).read()[-6000:]}")
+
+
+def run_inprocess(args: list[str], events: str, tmp: str, spares: int) -> None:
+    cfg = LaunchConfig(nnodes=4, nproc_per_node=1, restart="in-process", spares=spares,
+                       max_restarts=1, log_dir=tempfile.mkdtemp(dir=tmp))
+    with InProcessLauncher(cfg, args, env={"REFT_EVENTS_FILE": events}) as L:
+        L.start()
+        codes = L.wait(900)
+        if any(codes.values()):
+            sys.exit(f"in-process job failed ({L.sup.failure}):\n{L.outputs()[-6000:]}")
+
+
+def split(events: list[dict], mode: str) -> dict:
+    """Seconds of each step of the one recovery in ``events`` (see the docstring)."""
+    fault = next(e for e in events if e["event"] == "fault")
+    t_kill = fault["time"]
+    restored = min(e["iteration"] for e in events
+                   if e["event"] == "recovered" and e["time"] > t_kill)
+    t_next = min(e["time"] for e in events if e["event"] == "iteration"
+                 and e["time"] > t_kill and e["iteration"] == restored + 1)
+    out = {}
+    if mode == "process":
+        start = next(e for e in events if e["event"] == "startup" and e["time"] > t_kill
+                     and e["rank"] == 0)
+        marks = dict(start["marks"])
+        t_proc = start["process_start"]
+        out["restart"] = t_proc - t_kill
+        out["imports"] = marks["imports"] - t_proc
+        t_init = marks.get("health check", marks["distributed init"])
+        out["init"] = t_init - marks["imports"]
+        out["build"] = marks["model+optimizer"] - t_init
+        out["load"] = marks["load"] - marks["model+optimizer"]
+        out["data"] = marks["data"] - marks["load"]
+        out["first iteration"] = t_next - marks["data"]
+    else:
+        aborts = [e for e in events if e["event"] == "inprocess_abort"]
+        done = [e for e in events if e["event"] == "inprocess_restart"]
+        t_abort = max(e["time"] for e in aborts)
+        t_done = max(e["time"] for e in done)
+        wait = max(e["wait_generation_s"] for e in done)
+        rdzv = max(e["rendezvous_s"] for e in done)
+        out["abort"] = t_abort - t_kill
+        out["wait"] = wait
+        out["rendezvous"] = rdzv
+        out["rejoin"] = t_done - t_abort - wait - rdzv
+        out["first iteration"] = t_next - t_done
+    out["downtime"] = t_next - t_kill
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians)")
+    ap.add_argument("--scenarios", default="crash,node", help="comma list: crash, node")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
+    a = ap.parse_args()
+    names = a.scenarios.split(",")
+    modes = a.modes.split(",")
+    if set(names) - set(SCENARIOS) or set(modes) - set(MODES):
+        ap.error(f"--scenarios from {list(SCENARIOS)}, --modes from {list(MODES)}")
+    rows: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, \
+            Progress(a.repeats * len(names) * len(modes), "bench_downtime", unit="run") as bar:
+        for rep in range(a.repeats):
+            for name in names:
+                args, fault = SCENARIOS[name]
+                for mode in modes:
+                    events = os.path.join(tmp, f"{name}-{rep}-{len(mode)}.jsonl")
+                    open(events, "w").close()
+                    job = [*args, "--inject-fault", fault]
+                    if mode == "process":
+                        run_process(job, events, tmp)
+                    else:
+                        run_inprocess(job, events, tmp, spares=int("spare" in mode))
+                    s = split(read_events(events), mode)
+                    rows.setdefault((name, mode), []).append(s)
+                    bar.write(f"  [{name}, {mode}, round {rep + 1}] " +
+                              ", ".join(f"{k} {v:.2f}" for k, v in s.items()))
+                    bar.update()
+    for name in names:
+        base = statistics.median(s["downtime"] for s in rows[(name, "process")]) \
+            if (name, "process") in rows else None
+        print(f"\n{name}: fault -> end of the next iteration, seconds (median of "
+              f"{a.repeats}; 4 ranks on this host)")
+        print("| mode | downtime | vs process | split (medians) | every round |")
+        print("|---|---|---|---|---|")
+        for mode in modes:
+            ss = rows[(name, mode)]
+            med = statistics.median(s["downtime"] for s in ss)
+            parts = ", ".join(f"{k} {statistics.median(s[k] for s in ss):.2f}"
+                              for k in ss[0] if k != "downtime")
+            ratio = f"{base / med:.1f}x" if base else "-"
+            print(f"| {mode} | {med:.2f} | {ratio} | {parts} | " +
+                  " / ".join(f"{s['downtime']:.2f}" for s in ss) + " |")
+
+
+if __name__ == "__main__":
+    main()
