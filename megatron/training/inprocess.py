@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import os
 import sys
 import time
@@ -346,6 +347,7 @@ def restart_in_process(trainer, failure: str) -> None:
         raise RestartError("no state to roll back to (no snapshot committed yet, no "
                            "--load): this rank restarts as a new process")
     check_released(roots(trainer))
+    gc.collect()  # the failed generation's cycles (exceptions, frames, Work objects)
     trainer.losses = {i: v for i, v in trainer.losses.items() if i <= s.iteration}
     t_end = time.time()
     split = dict(abort=t_abort - t0, wait_generation=t_gen - t_abort,
@@ -355,13 +357,18 @@ def restart_in_process(trainer, failure: str) -> None:
          ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in split.items()) +
          f"); {changed} process-group references rebound", rank=rank,
          generation=gen.gen, iteration=s.iteration, seconds=t_end - t0, pid=os.getpid(),
-         rebound=changed, rss_mb=_rss_mb(), **{f"{k}_s": v for k, v in split.items()})
+         rebound=changed, **_resources(), **{f"{k}_s": v for k, v in split.items()})
 
 
-def _rss_mb() -> float:
-    """This process's resident memory (what a leak across restarts would grow)."""
+def _resources() -> dict:
+    """What a leak across restarts would grow: resident memory, open files and sockets,
+    threads, mapped shared-memory segments."""
+    status = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+            k, _, v = line.partition(":")
+            status[k] = v.split()
+    with open("/proc/self/maps") as f:
+        shm = len({ln.split()[-1] for ln in f if "/dev/shm/" in ln})
+    return dict(rss_mb=int(status["VmRSS"][0]) / 1024, threads=int(status["Threads"][0]),
+                fds=len(os.listdir("/proc/self/fd")), shm_files=shm)
