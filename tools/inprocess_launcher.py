@@ -13,19 +13,17 @@ restart inside their own processes (reft_ext/cluster/inprocess.py, docs/nodes.md
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
-import time
 
 from reft_ext.cluster import status as node_status
 from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig
-from reft_ext.store import paths
+from tools.launch_nodes import JobOutput
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class InProcessLauncher:
+class InProcessLauncher(JobOutput):
     """start(), kill_node(i), wait(), output(i), wait_for(), close(); ``history``."""
 
     def __init__(self, cfg, script_args: list[str], env: dict | None = None,
@@ -43,15 +41,8 @@ class InProcessLauncher:
             env=run_env, cwd=REPO))
 
     @property
-    def job_id(self) -> str:
-        return self.cfg.job_id
-
-    @property
     def history(self) -> list[dict]:
         return self.sup.history
-
-    def shm_dir_of(self, node: int) -> str:
-        return paths.node_dir(self.cfg.shm_dir, self.cfg.job_id, node)
 
     def ranks_of(self, node: int) -> list[int]:
         n = self.cfg.nproc_per_node
@@ -89,27 +80,10 @@ class InProcessLauncher:
             print(f"[launcher] {self.sup.failure}", flush=True)
         return {n: code for n in range(self.cfg.nnodes)}
 
-    def wait_for(self, pattern: str, node: int | None = None, timeout: float = 120) -> str:
-        rx, deadline = re.compile(pattern), time.time() + timeout
-        while time.time() < deadline:
-            for n in ([node] if node is not None else range(self.cfg.nnodes)):
-                m = rx.search(self.output(n))
-                if m:
-                    return m.group(0)
-            time.sleep(0.05)
-        raise TimeoutError(f"no {pattern!r} in the output after {timeout} s:\n"
-                           f"{self.outputs()[-4000:]}")
-
     def close(self) -> None:
         self.sup.close()
         for n in range(self.cfg.nnodes):
             node_status.kill_watcher(self.cfg.shm_dir, self.cfg.job_id, n)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     # ---- output -----------------------------------------------------------------
     def output(self, node: int) -> str:
@@ -120,10 +94,3 @@ class InProcessLauncher:
                 with open(path, errors="replace") as f:
                     parts.append(f.read())
         return "".join(parts)
-
-    def outputs(self) -> str:
-        return "".join(self.output(n) for n in range(self.cfg.nnodes))
-
-    def cleanup_shm(self) -> None:
-        for d in __import__("glob").glob(paths.node_glob(self.cfg.shm_dir, self.cfg.job_id)):
-            shutil.rmtree(d, ignore_errors=True) if os.path.isdir(d) else os.unlink(d)

@@ -187,7 +187,52 @@ class LaunchConfig:
         os.makedirs(self.log_dir, exist_ok=True)
 
 
-class NodeLauncher:
+class JobOutput:
+    """What both launchers (this one, tools/inprocess_launcher.py) offer alike: the
+    job's id and memory, its output by node, waiting for a line, cleaning up."""
+
+    cfg: LaunchConfig
+
+    @property
+    def job_id(self) -> str:
+        return self.cfg.job_id
+
+    def shm_dir_of(self, node: int) -> str:
+        return paths.node_dir(self.cfg.shm_dir, self.cfg.job_id, node)
+
+    def output(self, node: int) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def outputs(self) -> str:
+        return "".join(self.output(n) for n in range(self.cfg.nnodes))
+
+    def wait_for(self, pattern: str, node: int | None = None, timeout: float = 120) -> str:
+        """Block until a node's output matches ``pattern`` (regex); returns the match."""
+        rx, deadline = re.compile(pattern), time.time() + timeout
+        while time.time() < deadline:
+            for n in ([node] if node is not None else range(self.cfg.nnodes)):
+                m = rx.search(self.output(n))
+                if m:
+                    return m.group(0)
+            time.sleep(0.05)
+        raise TimeoutError(f"no {pattern!r} in the output after {timeout} s:\n"
+                           f"{self.outputs()[-4000:]}")
+
+    def cleanup_shm(self) -> None:
+        for d in glob.glob(paths.node_glob(self.cfg.shm_dir, self.cfg.job_id)):
+            shutil.rmtree(d, ignore_errors=True) if os.path.isdir(d) else os.unlink(d)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class NodeLauncher(JobOutput):
     """start(), kill_node(i), replace_node(i), terminate(), wait(), output(i)."""
 
     def __init__(self, cfg: LaunchConfig, script_args: list[str], env: dict | None = None,
@@ -203,13 +248,6 @@ class NodeLauncher:
         self.logs: dict[int, list[str]] = {i: [] for i in range(cfg.nnodes)}
         self.returncodes: dict[int, list[int]] = {i: [] for i in range(cfg.nnodes)}
         self.store = None
-
-    @property
-    def job_id(self) -> str:
-        return self.cfg.job_id
-
-    def shm_dir_of(self, node: int) -> str:
-        return paths.node_dir(self.cfg.shm_dir, self.cfg.job_id, node)
 
     def _command(self, node: int) -> list[str]:
         c = self.cfg
@@ -318,18 +356,6 @@ class NodeLauncher:
             self.returncodes[node].append(p.returncode)
         return {n: p.returncode for n, p in self.procs.items()}
 
-    def wait_for(self, pattern: str, node: int | None = None, timeout: float = 120) -> str:
-        """Block until a node's output matches ``pattern`` (regex); returns the match."""
-        rx, deadline = re.compile(pattern), time.time() + timeout
-        while time.time() < deadline:
-            for n in ([node] if node is not None else range(self.cfg.nnodes)):
-                m = rx.search(self.output(n))
-                if m:
-                    return m.group(0)
-            time.sleep(0.05)
-        raise TimeoutError(f"no {pattern!r} in the output after {timeout} s:\n"
-                           f"{self.outputs()[-4000:]}")
-
     def close(self) -> None:
         """Nothing started here outlives the launcher (agents, workers, watchers)."""
         for node, p in self.procs.items():
@@ -341,12 +367,6 @@ class NodeLauncher:
                 p.wait()
             node_status.kill_watcher(self.cfg.shm_dir, self.cfg.job_id, node)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     # ---- output -----------------------------------------------------------------
     def output(self, node: int) -> str:
         """Everything node's agents printed, start after start."""
@@ -356,12 +376,6 @@ class NodeLauncher:
                 parts.append(f.read())
         return "".join(parts)
 
-    def outputs(self) -> str:
-        return "".join(self.output(n) for n in range(self.cfg.nnodes))
-
-    def cleanup_shm(self) -> None:
-        for d in glob.glob(paths.node_glob(self.cfg.shm_dir, self.cfg.job_id)):
-            shutil.rmtree(d, ignore_errors=True) if os.path.isdir(d) else os.unlink(d)
 
 
 def _killpg(pid: int, sig: int) -> None:

@@ -351,7 +351,7 @@ def restart_in_process(trainer, failure: str) -> None:
     trainer.losses = {i: v for i, v in trainer.losses.items() if i <= s.iteration}
     t_end = time.time()
     split = dict(abort=t_abort - t0, wait_generation=t_gen - t_abort,
-                 rendezvous=t_rdzv - t_gen, load=t_end - t_rdzv)
+                 rendezvous=t_rdzv - t_gen, rejoin=t_end - t_rdzv)
     emit("inprocess_restart", f"rank {rank}: restarted in process as generation "
          f"{gen.gen}: iteration {s.iteration} restored in {t_end - t0:.2f} s (" +
          ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in split.items()) +
