@@ -295,6 +295,10 @@ class FaultObserver:
         name = signal.Signals(spec.signal).name
         emit(f"[FAULT] injecting {name} into rank {spec.rank} (pid {os.getpid()}) {where}"
              f"{' (node loss)' if spec.mode == 'node' else ''}")
+        from reft_ext.report.events import record  # the moment, for downtime figures
+
+        record("fault", iteration=spec.iteration, phase=spec.phase, signal=name,
+               mode=spec.mode)
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), spec.signal)
