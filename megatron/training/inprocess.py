@@ -126,24 +126,24 @@ def rebind(old_groups: list, new: list, roots: list) -> int:
         raise RestartError(f"this generation made other process groups than the last "
                            f"({len(new_ranks)} vs {len(old_ranks)}; ranks {new_ranks} vs "
                            f"{old_ranks})")
-    changed, stuck = _walk(roots, {id(o): n for o, n in zip(old, new)})
+    held, stuck = _walk(roots, {id(o): n for o, n in zip(old, new)})
     if stuck:
         raise RestartError(f"old process groups held where they cannot be replaced: "
                            f"{sorted(set(stuck))}")
     _released = old + _others
     _others.clear()
-    return changed
+    return len(held)
 
 
 _LEAVES = (torch.Tensor, str, bytes, int, float, bool, complex, type(None), type,
            types.ModuleType, types.BuiltinFunctionType, types.CodeType)
 
 
-def _walk(roots: list, mapping: dict) -> tuple[int, list]:
-    """Replace, in every container and object reachable from ``roots``, the values whose
+def _walk(roots: list, mapping: dict) -> tuple[list, list]:
+    """(holders replaced in, holders that cannot be: tuples...) of the objects. Replace, in every container and object reachable from ``roots``, the values whose
     id is in ``mapping``. gc.get_referrers cannot do this: a dict holding only process
     groups (pybind objects, not GC-tracked) is itself untracked and never reported."""
-    seen, stack, changed, stuck = set(), list(roots), 0, []
+    seen, stack, held, stuck = set(), list(roots), [], []
     while stack:
         obj = stack.pop()
         if id(obj) in seen or isinstance(obj, _LEAVES) or id(obj) in mapping:
@@ -154,7 +154,7 @@ def _walk(roots: list, mapping: dict) -> tuple[int, list]:
             for k, v in list(d.items()):
                 if id(v) in mapping:
                     d[k] = mapping[id(v)]
-                    changed += 1
+                    held.append(type(obj).__name__)
                 else:
                     stack.append(v)
             if d is obj:
@@ -163,7 +163,7 @@ def _walk(roots: list, mapping: dict) -> tuple[int, list]:
             for i, v in enumerate(obj):
                 if id(v) in mapping:
                     obj[i] = mapping[id(v)]
-                    changed += 1
+                    held.append(type(obj).__name__)
                 else:
                     stack.append(v)
         elif isinstance(obj, (tuple, set, frozenset)):
@@ -178,7 +178,7 @@ def _walk(roots: list, mapping: dict) -> tuple[int, list]:
                     continue
                 if id(v) in mapping:
                     cell.cell_contents = mapping[id(v)]
-                    changed += 1
+                    held.append(type(obj).__name__)
                 else:
                     stack.append(v)
         elif isinstance(obj, types.MethodType):
@@ -189,10 +189,10 @@ def _walk(roots: list, mapping: dict) -> tuple[int, list]:
             v = getattr(obj, name, None)
             if id(v) in mapping:
                 setattr(obj, name, mapping[id(v)])
-                changed += 1
+                held.append(type(obj).__name__)
             elif v is not None:
                 stack.append(v)
-    return changed, stuck
+    return held, stuck
 
 
 def _slots(cls) -> list[str]:
@@ -205,46 +205,15 @@ _released: list = []  # the failed generation's groups, dropped once the restart
 
 def check_released(roots: list) -> None:
     """After the restart: nothing reachable may still hold a group of the failed
-    generation (a collective on it would fail; its sockets and buffers would leak)."""
+    generation (a collective on it would fail; its sockets and buffers would leak).
+    The same walk as :func:`rebind`, each group mapped to itself: whoever it would
+    replace in holds one."""
     groups = list(_released)
     _released.clear()
-    seen = _find(roots, {id(g) for g in groups})
-    if seen:
-        raise RestartError(f"process groups of the failed generation still held by {seen}")
-
-
-def _find(roots: list, ids: set) -> list[str]:
-    """Types of the objects reachable from ``roots`` that hold one of ``ids``."""
-    seen, stack, holders = set(), list(roots), []
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _LEAVES) or id(obj) in ids:
-            continue
-        seen.add(id(obj))
-        d = obj if isinstance(obj, dict) else getattr(obj, "__dict__", None)
-        values = list(d.values()) if isinstance(d, dict) else []
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            values += list(obj)
-        if isinstance(obj, types.FunctionType):
-            values += [c.cell_contents for c in obj.__closure__ or ()
-                       if _has_contents(c)]
-        if isinstance(obj, types.MethodType):
-            values.append(obj.__self__)
-        if isinstance(obj, functools.partial):
-            values += [obj.func, obj.args, obj.keywords]
-        values += [getattr(obj, n, None) for n in _slots(type(obj))]
-        if any(id(v) in ids for v in values):
-            holders.append(type(obj).__name__)
-        stack.extend(values)
-    return sorted(set(holders))
-
-
-def _has_contents(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:
-        return False
+    held, stuck = _walk(roots, {id(g): g for g in groups})
+    if held or stuck:
+        raise RestartError(f"process groups of the failed generation still held by "
+                           f"{sorted(set(held + stuck))}")
 
 
 def roots(trainer) -> list:
