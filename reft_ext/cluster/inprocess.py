@@ -124,7 +124,6 @@ class Generation:
         self.abort_reason = ""
         self.sockets_closed = 0
         self._watcher: AbortWatcher | None = None
-        self.restarts = 0  # in-process restarts of this process
 
     # ---- the process groups of one generation --------------------------------------
     def pg_store(self, timeout: datetime.timedelta):
@@ -173,7 +172,6 @@ class Generation:
             if g > old:
                 self.gen = g
                 os.environ[ENV_GENERATION] = str(g)  # fault injection's attempt
-                self.restarts += 1
                 return g
             time.sleep(POLL_S)
         raise RestartError(f"no generation after {old} within {timeout_s:.0f} s "
