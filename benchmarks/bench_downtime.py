@@ -13,15 +13,19 @@ Modes: process = torchrun (--standalone, --max-restarts 1) restarts every worker
 in-process = tools/launch_nodes.py --restart in-process: survivors stay, the dead rank's
 replacement starts cold; + warm spare = the same with ``--spares 1``.
 
-Downtime = the fault's moment (its ``fault`` event, written just before the signal) to
-the end of the first iteration after the restored one (the ``iteration`` event). The
-split, from the processes' own events: process mode: restart (kill -> the new processes
+Two figures per run, both from the fault's moment (its ``fault`` event, written just
+before the signal): resume = until every rank is back in the training loop with the
+restored state (its ``resume`` event: the first step begins; what bench_recovery.py's
+node-loss "total" measured), and downtime = until the end of the first iteration after
+the restored one (the ``iteration`` event), i.e. resume plus one iteration. The split,
+from the processes' own events: process mode: restart (kill -> the new processes
 exist), imports, init (process groups, health check), build (model, optimizer), load
-(REFT-load), data, first iteration; in-process: abort (kill -> every survivor out of the
-failed generation), wait (-> the next generation published: the replacement assigned),
-rendezvous (-> new process groups: includes a cold replacement's imports), rejoin (the
-replacement's build replayed, REFT-load, data), first iteration. Medians over
-interleaved rounds (A B C A B C ...); every round is printed.
+(REFT-load), data, start (the hooks' on_start: AOR replicas), first iteration;
+in-process: abort (kill -> every survivor out of the failed generation), wait (-> the
+next generation published: the replacement assigned), rendezvous (-> new process
+groups: includes a cold replacement's imports), rejoin (the replacement's build
+replayed, REFT-load, data), start, first iteration. Medians over interleaved rounds
+(A B C A B C ...); every round is printed.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ def split(events: list[dict], mode: str) -> dict:
                    if e["event"] == "recovered" and e["time"] > t_kill)
     t_next = min(e["time"] for e in events if e["event"] == "iteration"
                  and e["time"] > t_kill and e["iteration"] == restored + 1)
+    t_resume = max(e["time"] for e in events if e["event"] == "resume" and e["time"] > t_kill)
     out = {}
     if mode == "process":
         start = next(e for e in events if e["event"] == "startup" and e["time"] > t_kill
@@ -103,7 +108,7 @@ def split(events: list[dict], mode: str) -> dict:
         out["build"] = marks["model+optimizer"] - t_init
         out["load"] = marks["load"] - marks["model+optimizer"]
         out["data"] = marks["data"] - marks["load"]
-        out["first iteration"] = t_next - marks["data"]
+        out["start"] = t_resume - marks["data"]
     else:
         aborts = [e for e in events if e["event"] == "inprocess_abort"]
         done = [e for e in events if e["event"] == "inprocess_restart"]
@@ -115,7 +120,9 @@ def split(events: list[dict], mode: str) -> dict:
         out["wait"] = wait
         out["rendezvous"] = rdzv
         out["rejoin"] = t_done - t_abort - wait - rdzv
-        out["first iteration"] = t_next - t_done
+        out["start"] = t_resume - t_done
+    out["first iteration"] = t_next - t_resume
+    out["resume"] = t_resume - t_kill
     out["downtime"] = t_next - t_kill
     return out
 
@@ -150,20 +157,25 @@ def main() -> None:
                               ", ".join(f"{k} {v:.2f}" for k, v in s.items()))
                     bar.update()
     for name in names:
-        base = statistics.median(s["downtime"] for s in rows[(name, "process")]) \
-            if (name, "process") in rows else None
-        print(f"\n{name}: fault -> end of the next iteration, seconds (median of "
-              f"{a.repeats}; 4 ranks on this host)")
-        print("| mode | downtime | vs process | split (medians) | every round |")
-        print("|---|---|---|---|---|")
+        def med(mode, key):
+            return statistics.median(s[key] for s in rows[(name, mode)])
+        base = (name, "process") in rows
+        print(f"\n{name}: seconds from the fault (median of {a.repeats}; 4 ranks on this "
+              f"host): resume = every rank training again, downtime = + the first "
+              f"iteration")
+        print("| mode | resume | downtime | vs process (resume, downtime) | split (medians) "
+              "| every round (resume / downtime) |")
+        print("|---|---|---|---|---|---|")
         for mode in modes:
             ss = rows[(name, mode)]
-            med = statistics.median(s["downtime"] for s in ss)
-            parts = ", ".join(f"{k} {statistics.median(s[k] for s in ss):.2f}"
-                              for k in ss[0] if k != "downtime")
-            ratio = f"{base / med:.1f}x" if base else "-"
-            print(f"| {mode} | {med:.2f} | {ratio} | {parts} | " +
-                  " / ".join(f"{s['downtime']:.2f}" for s in ss) + " |")
+            parts = ", ".join(f"{k} {med(mode, k):.2f}" for k in ss[0]
+                              if k not in ("resume", "downtime"))
+            ratio = (f"{med('process', 'resume') / med(mode, 'resume'):.1f}x, "
+                     f"{med('process', 'downtime') / med(mode, 'downtime'):.1f}x"
+                     if base else "-")
+            print(f"| {mode} | {med(mode, 'resume'):.2f} | {med(mode, 'downtime'):.2f} | "
+                  f"{ratio} | {parts} | " +
+                  " / ".join(f"{s['resume']:.2f}/{s['downtime']:.2f}" for s in ss) + " |")
 
 
 if __name__ == "__main__":

@@ -326,7 +326,8 @@ class ReftSession(_Trace):
         # anything else can read them (a crash now must not bring the spike back)
         self.snap.store.discard_newer(it)
         if self.snap.aor is not None:
-            self.snap.aor.initialize()  # holders take their owners' restored shards
+            # holders take their owners' restored shards (or keep them: same bytes)
+            self.snap.aor.initialize(seed=self.snap.aor_seed())
         n = self.detector.rolled_back(spike, it)
         gbs, first = self.adapter.global_batch_size, state.consumed_train_samples
         skip = self.rollback_cfg.skip_batches * gbs

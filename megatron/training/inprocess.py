@@ -78,6 +78,12 @@ def after_initialize() -> None:
         _gen.watch()
 
 
+def trained() -> None:
+    """The first iteration of this generation is done (under the supervisor)."""
+    if _gen is not None:
+        _gen.trained()
+
+
 def close() -> None:
     """Training ended: stop this rank's abort watcher."""
     if _gen is not None:

@@ -177,6 +177,12 @@ class Generation:
         raise RestartError(f"no generation after {old} within {timeout_s:.0f} s "
                            f"(the supervisor is gone?)")
 
+    def trained(self) -> None:
+        """This rank finished an iteration in the current generation: the job is back to
+        training (the supervisor refills its warm spares only then, so that their start
+        never competes with a recovery for the host's cores)."""
+        self.store.set(key("trained", self.gen, self.rank), "1")
+
     def close(self) -> None:
         """Training is over: the abort watcher stops (a thread still inside a store call
         when the interpreter exits aborts the process)."""

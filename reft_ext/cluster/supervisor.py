@@ -13,7 +13,10 @@ one host) owns a TCPStore and the rank processes (reft_ext/cluster/spare.py):
   at most ``abort_timeout`` s; a rank that is neither by then (frozen) is SIGKILLed;
 * each dead rank's place goes to a warm spare (imports done) or a new worker, which
   joins generation g + 1 directly; then ``gen = g + 1`` is published and the survivors
-  rendezvous with the replacements in the same processes they had.
+  rendezvous with the replacements in the same processes they had;
+* the spare pool is refilled once every rank has finished an iteration in the new
+  generation (``trained/<g>/<rank>``): on a shared host a spare's imports would
+  otherwise take cores from the very recovery it shortens.
 
 ``history`` records every generation change (who died, the times of each step), what
 benchmarks/bench_recovery.py splits downtime with.
@@ -119,11 +122,19 @@ class Supervisor:
         self.store.set(key("assign", w.wid), json.dumps(env))
 
     def _take_worker(self) -> _Worker:
-        """A warm spare if one is left (the pool is refilled behind it), else a new one."""
-        w = self.spares.pop(0) if self.spares else self._spawn()
+        """A warm spare if one is left, else a new one. The pool is refilled once the
+        new generation is training again (:meth:`_refill`), not now: a spare's imports
+        would take cores from the recovery it is meant to shorten."""
+        return self.spares.pop(0) if self.spares else self._spawn()
+
+    def _refill(self) -> None:
+        """Top the spare pool up when every rank of the current generation has finished
+        an iteration in it (``trained/<g>/<rank>``)."""
+        if len(self.spares) >= self.cfg.spares or not self.store.check(
+                [key("trained", self.gen, r) for r in self.ranks]):
+            return
         while len(self.spares) < self.cfg.spares:
             self.spares.append(self._spawn())
-        return w
 
     # ---- life cycle -------------------------------------------------------------
     def start(self) -> "Supervisor":
@@ -167,6 +178,7 @@ class Supervisor:
                         if not self._new_generation(dead):
                             return
                         continue
+                    self._refill()
                 time.sleep(0.02)
         except Exception as exc:  # noqa: BLE001 - reported, the job is stopped
             self.failure = f"supervisor: {type(exc).__name__}: {exc}"

@@ -33,7 +33,7 @@ from reft_ext.cluster import status as node_status
 from reft_ext.store.commit import Committer
 from reft_ext.store.slots import SnapshotStore, to_jsonable
 from reft_ext.report.timeline import PipelineEvents
-from reft_ext.report.events import emit
+from reft_ext.report.events import emit, record
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 
@@ -127,9 +127,27 @@ class ReftSnapshotter:
                                       self.concurrent_tier2)
 
     def start(self) -> None:
-        """Before the first step (after any recovery): holders get their owners' shards."""
+        """Before the first step (after any recovery): holders get their owners' shards
+        (a holder whose restored snapshot already has its owner's keeps it)."""
         if self.aor is not None:
-            self.aor.initialize()
+            t0 = time.perf_counter()
+            seed = self.aor_seed()
+            self.aor.initialize(seed=seed)
+            record("aor_initialized", owner=self.aor.owner_rank, seeded=seed is not None,
+                   kept=self.aor.kept, ms=1e3 * (time.perf_counter() - t0))
+
+    def aor_seed(self) -> torch.Tensor | None:
+        """After a REFT-load: the AOR region of the snapshot this rank restored (its
+        replica of its owner's shard at the restored iteration), else None. Only a
+        candidate: AORTransport.initialize keeps it only if its checksum is the owner's."""
+        c = self.store.committed() if self.recovered_from is not None else None
+        m = self.store.manifests().get(int(c["slot"])) if c else None
+        aor = (m or {}).get("aor") or {}
+        if m is None or int(m["iteration"]) != int(c["iteration"]) or not aor.get("valid") \
+                or aor.get("owner") != self.aor.owner_rank or Region.AOR not in m["regions"]:
+            return None
+        off, n = m["regions"][Region.AOR][:2]
+        return self.store.data(int(c["slot"]), int(m["nbytes"]))[off:off + n]
 
     def maybe_verify_aor(self, iteration: int) -> None:
         """--reft-aor-verify-every: replica vs owner checksums (collective per group)."""
@@ -157,9 +175,13 @@ class ReftSnapshotter:
                 f"({self.cfg.keep} slots (--reft-keep) x {self.nbytes / 2**20:.1f} MiB x "
                 f"{self.cfg.ranks_per_node} ranks), limit is {limit / 2**20:.1f} MiB; raise "
                 f"the limit, lower --reft-keep or snapshot less state")
-        # both slots are created (space checked and reserved) now, not at the first
-        # snapshot: too little /dev/shm is a clear error before any work is done
-        self.store.reserve(self.nbytes)
+        # both slots and the live AOR replica: space checked now, not at the first
+        # snapshot (too little /dev/shm is a clear error before any work is done); the
+        # pages of segments that do not exist yet (a fresh start, a replaced node's rank:
+        # over a GB to allocate and map) are reserved by a thread while REFT-load, the
+        # data and the first iteration go on; the first snapshot waits for them
+        aor = {"aor": self.aor_peer_spec.nbytes} if self.aor is not None else {}
+        self.store.reserve(self.nbytes, buffers=aor, background=True)
 
     # ---- save -------------------------------------------------------------------
     def maybe_snapshot(self, iteration: int) -> bool:

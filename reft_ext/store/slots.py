@@ -29,6 +29,7 @@ import base64
 import hashlib
 import json
 import os
+import threading
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ import torch
 from reft_ext.store.atomic import write_atomic
 from reft_ext.store.checksum import checksum
 from reft_ext.store.paths import domain, job_dir
-from reft_ext.store.shm import ShmSegment
+from reft_ext.store.shm import ShmSegment, _free_bytes, _space_error, ensure_private_dir
 
 
 # ---- small metadata as JSON (RNG states, counters, scheduler) ------------------------
@@ -123,6 +124,12 @@ class SnapshotStore:
         self.base_dir, self.rank = base_dir, rank
         self.dir = job_dir(self.job, base_dir)
         self._segs: dict[int, ShmSegment] = {}
+        # (reserve(background=True)) the keys a thread is creating, what it made, its error
+        self._pending: set = set()
+        self._creator: threading.Thread | None = None
+        self._made: dict = {}
+        self._made_lock = threading.Lock()
+        self._creator_error: BaseException | None = None
         self._reported: set = set()  # (path, why) already said: one line per bad file
 
     def _name(self, slot: int, ext: str) -> str:
@@ -180,17 +187,90 @@ class SnapshotStore:
         seg = self._segment(slot, nbytes)
         return slot, seg.tensor(torch.uint8, 0, nbytes)
 
-    def reserve(self, nbytes: int) -> None:
-        """Create (or attach and grow) every slot now: space is checked and reserved."""
-        for slot in self.slots:
-            self._segment(slot, nbytes)
+    def reserve(self, nbytes: int, buffers: dict | None = None,
+                background: bool = False) -> None:
+        """Every slot (``nbytes`` each) and the named ``buffers`` (name -> bytes, see
+        :meth:`buffer`): existing ones are attached and grown now, space is checked now.
+        ``background``: the segments that do not exist yet (a fresh start, or a
+        replacement whose failure domain was lost: over a GB of pages to allocate and
+        map) are created by a thread while the caller goes on (its REFT-load reads only
+        existing segments); the first use of one waits for it, and raises its error."""
+        # the buffers first: the live AOR replica is needed before the first step, the
+        # slots only at the first snapshot
+        want = [(name, self._buffer_name(name), n) for name, n in (buffers or {}).items()]
+        want += [(slot, self._name(slot, "bin"), nbytes) for slot in self.slots]
+        todo = []
+        for key, fname, n in want:
+            if key in self._segs or ShmSegment.exists(self.job, fname, base_dir=self.base_dir):
+                self._open(key, fname, n)
+            else:
+                todo.append((key, fname, n))
+        if not background or not todo:
+            for key, fname, n in todo:
+                self._open(key, fname, n)
+            return
+        need = sum(max(n, 1) for _, _, n in todo)
+        ensure_private_dir(self.dir)
+        free = _free_bytes(self.dir)
+        if need > free:
+            raise _space_error(os.path.join(self.dir, todo[0][1]), need, free)
+        self._pending = {key for key, _, _ in todo}
+        self._creator = threading.Thread(target=self._create_all, args=(todo,),
+                                         name="reft-shm-reserve", daemon=True)
+        self._creator.start()
+
+    def _create_all(self, todo: list) -> None:
+        try:
+            for key, fname, n in todo:
+                seg = ShmSegment.create(self.job, fname, max(n, 1), base_dir=self.base_dir)
+                with self._made_lock:
+                    self._made[key] = seg
+        except BaseException as exc:  # noqa: BLE001 - raised at a first use (_wait)
+            self._creator_error = exc
+
+    def _take_made(self, key) -> bool:
+        with self._made_lock:
+            seg = self._made.pop(key, None)
+        if seg is not None:
+            self._segs[key] = seg
+            self._pending.discard(key)
+        return seg is not None
+
+    def _wait(self, key) -> None:
+        """A segment the background reservation is creating: wait until the thread has
+        made it (each is published as soon as it is), or raise the thread's error."""
+        if key not in self._pending:
+            return
+        while self._creator.is_alive():
+            if self._take_made(key):
+                return
+            self._creator.join(0.005)
+        if self._take_made(key):
+            return
+        self._settle()  # the thread ended without making it: what it did not make is
+        err, self._creator_error = self._creator_error, None  # created at its first use
+        if err is not None:
+            raise err
+
+    def _settle(self) -> None:
+        """The background reservation is over: what it made joins the open segments."""
+        if self._creator is not None:
+            self._creator.join()
+        with self._made_lock:
+            self._segs.update(self._made)
+            self._made.clear()
+        self._pending = set()
 
     def _segment(self, slot: int, nbytes: int) -> ShmSegment:
         return self._open(slot, self._name(slot, "bin"), nbytes)
 
+    def _buffer_name(self, name: str) -> str:
+        return f"rank{self.rank}.{name}.bin"
+
     def _open(self, key, fname: str, nbytes: int) -> ShmSegment:
         """This rank's segment ``fname``, attached (after a restart) or created, and grown
         to ``nbytes``; kept open under ``key``."""
+        self._wait(key)
         seg = self._segs.get(key)
         if seg is None:
             if ShmSegment.exists(self.job, fname, base_dir=self.base_dir):
@@ -205,8 +285,7 @@ class SnapshotStore:
     def buffer(self, name: str, nbytes: int) -> torch.Tensor:
         """A named extra segment of this rank in the failure domain (e.g. the live AOR
         replica), created or attached and grown to ``nbytes``."""
-        return self._open(name, f"rank{self.rank}.{name}.bin", nbytes).tensor(torch.uint8, 0,
-                                                                              nbytes)
+        return self._open(name, self._buffer_name(name), nbytes).tensor(torch.uint8, 0, nbytes)
 
     def finish(self, slot: int, manifest: dict) -> None:
         """The slot is complete on this rank (not yet job-wide)."""
@@ -260,6 +339,7 @@ class SnapshotStore:
             return False
 
     def close(self) -> None:
+        self._settle()  # a reservation still running: its segments are closed too
         for seg in self._segs.values():
             seg.close()
         self._segs.clear()

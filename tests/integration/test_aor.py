@@ -39,11 +39,12 @@ def _tiny():
 
 
 def run_probe(layout: list, perturb: str = "", iters: int = ITERS, clip: float = 0.8,
-              reinit_at: int = 0):
+              reinit_at: int = 0, seed: bool = False):
     run = torchrun(4, _tiny() + AOR_ARGS + ["--train-iters", str(iters), "--clip-grad",
                                             str(clip)] + layout,
                    script="tests/workers/aor_worker.py",
-                   env={"AOR_PERTURB": perturb, "AOR_REINIT_AT": str(reinit_at)},
+                   env={"AOR_PERTURB": perturb, "AOR_REINIT_AT": str(reinit_at),
+                        "AOR_REINIT_SEED": "1" if seed else ""},
                    timeout=180).check()
     rows = {}
     for m in SUMMARY.finditer(run.output):
@@ -76,8 +77,15 @@ def check(run, rows, perturbed_rank=None, at=None, iters=ITERS):
 
 
 def test_dp4_fp32_replicas_bit_identical_and_flipped_bit_detected():
-    run, rows = run_probe([], perturb="2:95:bit")
+    """Halfway every holder initializes again offering its replica as the seed (what a
+    recovery offers: the restored snapshot's AOR region): even ranks keep theirs without
+    a transfer, odd ranks' seeds have a flipped bit and are replaced by their owners'
+    state; either way the replicas stay bit-identical to the end."""
+    run, rows = run_probe([], perturb="2:95:bit", reinit_at=50, seed=True)
     assert {r: rows[r]["holds"] for r in rows} == {0: 1, 1: 2, 2: 3, 3: 0}
+    for r in range(4):
+        assert f"rank {r} re-initialized after iteration 50 (kept {int(r % 2 == 0)})" \
+            in run.output
     check(run, rows, perturbed_rank=2, at=95)
 
 

@@ -83,6 +83,10 @@ def test_crash_then_a_failure_during_the_recovery(tmp_path, reference_runs):
     # rank 2 left generation 0 in process and died inside the recovery of generation 1
     assert run.events_of("inprocess_abort", rank=2, generation=0)
     assert not [e for e in restarts(run) if e["rank"] == 2]
+    # no node was lost: after the last recovery every holder kept its AOR replica (its
+    # restored snapshot's, checksum equal to the owner's), nothing was shipped again
+    last = {e["rank"]: e for e in run.events_of("aor_initialized")}
+    assert sorted(last) == [0, 1, 2, 3] and all(e["kept"] for e in last.values()), last
     assert_exact(run, ref)
 
 
@@ -105,6 +109,10 @@ def test_lost_node_is_restored_from_peers_while_the_others_stay(tmp_path, refere
     assert all(e["pid"] == first_pids[e["rank"]] for e in restarts(run))
     it = restarts(run)[0]["iteration"]
     assert run.events_of("recovered", rank=2, iteration=it, source="replica")
+    # after the recovery only the replica the lost node held (of rank 3's shard) is
+    # shipped again; the others keep theirs
+    last = {e["rank"]: e["kept"] for e in run.events_of("aor_initialized")}
+    assert last == {0: True, 1: True, 2: False, 3: True}, last
     assert_exact(run, ref)
 
 

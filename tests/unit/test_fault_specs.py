@@ -5,6 +5,7 @@ fault_injection.py) behind reft_ext.testing.fault_point: which specs fire, once.
 from __future__ import annotations
 
 import errno
+import os
 import signal
 from types import SimpleNamespace
 
@@ -290,3 +291,38 @@ def test_heartbeat_on_a_full_tmpfs_is_an_error_not_sigbus(full_tmpfs):
                        timeout=120)
     assert p.returncode != -signal.SIGBUS, "SIGBUS on a full tmpfs"
     assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr[-2000:]
+
+
+def test_background_reservation_fails_at_the_first_use(kills, tmp_path):
+    """SnapshotStore.reserve(background=True) (a replacement's or a fresh start's slots):
+    the segments are made by a thread, each usable as soon as it exists; an ENOSPC in
+    that thread is raised, as the same ShmSpaceError, by the first use of the segment it
+    could not make (never a SIGBUS later), and what it made is kept open."""
+    import stat
+
+    from reft_ext.store.shm import ShmSpaceError
+    from reft_ext.store.slots import SnapshotStore
+
+    store = SnapshotStore("bg", 0, 0, str(tmp_path))
+    store.reserve(8192, buffers={"aor": 4096}, background=True)
+    slot, data = store.begin(8192)
+    assert data.numel() == 8192 and store.buffer("aor", 4096).numel() == 4096
+    files = sorted(os.listdir(store.dir))
+    assert files == ["rank0.aor.bin", "rank0.slot0.bin", "rank0.slot1.bin"], files
+    assert all(stat.S_IMODE(os.stat(os.path.join(store.dir, f)).st_mode) == 0o600
+               for f in files)
+    store.close()
+
+    obs = fi.install(fi.parse_fault_specs("1:4:KILL:shm-full"), rank=1)
+    fault_point("step", iteration=4)  # armed: the next reservation fails
+    assert obs.shm_full
+    full = SnapshotStore("bg", 0, 1, str(tmp_path))
+    full.reserve(8192, buffers={"aor": 4096}, background=True)  # the check passes
+    with pytest.raises(ShmSpaceError) as exc:  # the aor buffer was the one it failed on
+        full.buffer("aor", 4096)
+    assert exc.value.errno == errno.ENOSPC and "rank1.aor.bin" in str(exc.value)
+    slot, data = full.begin(8192)  # not made by the thread: made now, fault spent
+    assert data.numel() == 8192
+    full.close()
+    assert not full._segs and not full._made
+

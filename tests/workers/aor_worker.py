@@ -99,9 +99,19 @@ class AORProbe(TrainerHook):
         if it == int(os.environ.get("AOR_REINIT_AT", "0")):
             # pause and initialize again mid-run (as the overhead benchmark does between
             # methods, and recovery does in-process): must neither hang nor diverge
+            # AOR_REINIT_SEED=1: each holder offers its own replica as the seed (as a
+            # recovery offers its restored snapshot's), odd ranks with one bit flipped:
+            # kept where it is the owner's state, sent whole where it is not
             self.aor.pause()
-            self.aor.initialize()
-            print(f"[AOR] rank {self.rank} re-initialized after iteration {it}", flush=True)
+            seed = None
+            if os.environ.get("AOR_REINIT_SEED"):
+                self.aor.wait()
+                seed = self.aor.replica.buffer.clone()
+                if self.rank % 2:
+                    seed[seed.numel() // 3].bitwise_xor_(4)
+            self.aor.initialize(seed=seed)
+            print(f"[AOR] rank {self.rank} re-initialized after iteration {it} "
+                  f"(kept {int(self.aor.kept)})", flush=True)
         if not self.verify_every or it % self.verify_every:
             return
         res = self.aor.verify(it)

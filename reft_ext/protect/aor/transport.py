@@ -94,19 +94,28 @@ class AORTransport:
         self._send_work = None
         self.seq_sent = self.seq_recv = 0
         self.steps = 0  # Adam steps the owner has taken (set again at initialize)
+        self.kept = False  # the last initialize kept this holder's replica (not sent)
 
     # ---- start-up / after recovery ----------------------------------------------------
-    def initialize(self) -> None:
+    def initialize(self, seed: torch.Tensor | None = None) -> None:
         """Give every holder its owner's full shard state (collective over the group).
         Call at start-up once the owner's state is final (after a checkpoint load or a
-        REFT recovery), and again after any recovery that replaced a member."""
+        REFT recovery), and again after any recovery that replaced a member.
+
+        ``seed``: the replica this holder believes current (after a REFT recovery, the
+        AOR region of the snapshot it restored). It is copied into the replica, and a
+        pair whose replica then has its owner's checksum skips the transfer: a
+        survivor's replica is kept rather than shipped again (hundreds of MB per rank);
+        a lost, stale or corrupt one differs and is sent whole."""
         if self._thread is not None:
             self.wait()
         self._wait_send()
         self.owner.materialize()
         specs = [None] * self.D
-        dist.all_gather_object(specs, self.owner.spec, group=self.group)
-        peer = specs[self.ranks.index(self.owner_rank)]
+        seeded = seed is not None
+        dist.all_gather_object(specs, (self.owner.spec, seeded), group=self.group)
+        peer = specs[self.ranks.index(self.owner_rank)][0]
+        holder_seeded = specs[self.ranks.index(self.holder_rank)][1]
         if self.replica is None or self.replica.spec != peer:
             self.replica = AORReplica(peer, self.alloc(peer.nbytes))
         mine = self.owner.spec
@@ -117,13 +126,28 @@ class AORTransport:
                 f"{mine.num_threads}: bit identity is not guaranteed (verify will tell)")
             emit("aor_warning", f"rank {self.rank}: WARNING {self.warnings[-1]}", prefix="[AOR]",
                  owner=self.owner_rank, why=self.warnings[-1])
-        packed = torch.empty(mine.nbytes, dtype=torch.uint8)
-        self.owner.pack_state(packed)
-        rw = dist.irecv(self.replica.buffer, src=self.owner_rank, group=self.group,
-                        tag=TAG_INIT)
-        sw = dist.isend(packed, dst=self.holder_rank, group=self.group, tag=TAG_INIT)
-        rw.wait()
-        sw.wait()
+        if seeded and seed.numel() >= peer.nbytes:
+            self.replica.buffer.copy_(seed[:peer.nbytes])
+        sums = [None] * self.D  # (mine as owner, my replica's) where a pair may be kept
+        dist.all_gather_object(sums, (self.owner.checksum() if holder_seeded else None,
+                                      self.replica.checksum() if seeded else None),
+                               group=self.group)
+        me, owner, holder = (sums[self.ranks.index(r)] for r in
+                             (self.rank, self.owner_rank, self.holder_rank))
+        keep_mine = holder[1] is not None and holder[1] == me[0]  # my holder has my state
+        keep_held = me[1] is not None and me[1] == owner[0]  # I have my owner's
+        self.kept = keep_held  # (tests, the start-up line) the replica was not sent
+        works = []
+        if not keep_held:
+            works.append(dist.irecv(self.replica.buffer, src=self.owner_rank,
+                                    group=self.group, tag=TAG_INIT))
+        if not keep_mine:
+            packed = torch.empty(mine.nbytes, dtype=torch.uint8)
+            self.owner.pack_state(packed)
+            works.append(dist.isend(packed, dst=self.holder_rank, group=self.group,
+                                    tag=TAG_INIT))
+        for w in works:
+            w.wait()
         self.replica.valid, self.replica.reason, self.replica.applied = True, "", 0
         self.seq_sent = self.seq_recv = 0
         self.steps = int(self.owner.step_count())  # Adam steps taken (= the iteration)
