@@ -26,7 +26,11 @@ from reft_ext.store.checksum import CHUNK, _flat, combine
 from reft_ext.state.layout import StreamLayout
 
 STEP = 2 << 20  # hashed, then copied while still in the core's cache (best of 0.5-4 MiB here)
-NT = 1  # streaming stores: the state is far larger than the caches (+~10% here)
+# regular stores: streaming (non-temporal) stores, once ~10% faster here, measured 0.55x
+# of regular ones on 2026-11-24 (benchmarks/bench_load.py: fused 3.9-4.3 GB/s with them,
+# 6.8-7.8 without, interleaved runs); the restored state is also what the next
+# iteration reads first
+NT = 0
 
 _pool: ThreadPoolExecutor | None = None
 
