@@ -188,18 +188,20 @@ def test_terminated_in_recv(reference_runs):
 @pytest.mark.slow
 def test_shm_full_when_a_lost_node_comes_back(reference_runs):
     """Attempt 0: rank 1's failure domain is lost at iteration 3 (its shared memory
-    wiped). Attempt 1 must create rank 1's snapshot slots again, and /dev/shm is full
-    (@health arms it, before the session opens): REFT stops that rank with its
-    ShmSpaceError line, nothing torn is left behind, and attempt 2 rebuilds rank 1 from its
-    peer's ARC replica and AOR replica and ends bit-identical."""
+    wiped). Attempt 1 must create rank 1's segments again, and /dev/shm is full (@health
+    arms it, before the session opens): the segments are reserved by a thread while
+    REFT-load runs, and the first use of the one it could not make (the live AOR buffer,
+    before the first step) stops that rank with its ShmSpaceError line; nothing torn is
+    left behind, and attempt 2 rebuilds rank 1 from its peer's ARC replica and AOR
+    replica and ends bit-identical."""
     run = torchrun(4, BASE + REFT + ["--inject-fault",
                                      "1:3:KILL:node,1:2:KILL:shm-full:1@health"],
                    max_restarts=2).check()
     _fired(run, 1, 3, "step")
     assert re.search(r"\[FAULT\] shared memory full for rank 1 \(pid \d+\) at iteration "
                      r"2, phase health", run.output), run.output[-3000:]
-    assert re.search(r"error: shared-memory segment \S+/rank1\.slot\d\.bin needs \d+ more "
-                     r"bytes", run.output), run.output[-3000:]
+    assert re.search(r"error: shared-memory segment \S+/rank1\.(aor|slot\d)\.bin needs \d+ "
+                     r"more bytes", run.output), run.output[-3000:]
     assert "Bus error" not in run.output and "SIGBUS" not in run.output
     assert _assert_same(run, reference_runs) == 2
     assert run.events_of("recovered", rank=1, iteration=2, source="replica")
