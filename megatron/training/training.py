@@ -294,7 +294,8 @@ class Trainer:
         for hook in self.hooks:
             hook.on_start(s)
         first = self.restarts == 0  # the start-up split: once per process
-        resumed = False
+        record("resume", iteration=s.iteration)  # every rank training again (downtime)
+        trained = False
         while s.iteration < args.train_iters:
             t0 = time.time()
             self._maybe_skip_batches()
@@ -302,9 +303,6 @@ class Trainer:
                 self.logger.startup(t0 - self.t_process, self._startup_split())
                 record("startup", process_start=self.t_process, marks=self.marks)
                 first = False
-            if not resumed:  # every rank: training goes on from here (downtime figures)
-                record("resume", iteration=s.iteration)
-                resumed = True
             loss, skipped, grad_norm = self.train_step()
             s.iteration += 1
             s.consumed_train_samples += args.global_batch_size
@@ -325,9 +323,9 @@ class Trainer:
             self.logger.iteration(loss, grad_norm, skipped, time.time() - t0, self.timers)
             if "lm loss" in loss:  # one rank: when each iteration ended (downtime figures)
                 record("iteration", iteration=s.iteration)
-            if resumed is True:  # the first iteration of this (re)start is done
+            if not trained:  # the first iteration of this (re)start is done
                 inprocess.trained()
-                resumed = "trained"
+                trained = True
             if s.iteration % args.eval_interval == 0 and args.eval_iters > 0:
                 with self._long_phase():
                     self.evaluate()

@@ -73,13 +73,18 @@ def _space_error(path: str, need: int, free: int) -> ShmSpaceError:
         f"(e.g. a bigger /dev/shm: docker --shm-size, mount -o remount,size=...)")
 
 
+def check_space(path: str, need: int) -> None:
+    """ShmSpaceError now if ``path``'s filesystem has less than ``need`` bytes free."""
+    free = _free_bytes(os.path.dirname(path))
+    if need > free:
+        raise _space_error(path, need, free)
+
+
 def _reserve(fd: int, path: str, offset: int, length: int) -> None:
     """Grows the file to offset+length with its pages really allocated."""
     if length <= 0:
         return
-    free = _free_bytes(os.path.dirname(path))
-    if length > free:
-        raise _space_error(path, length, free)
+    check_space(path, length)
     try:
         fault_point("shm-reserve", path=path, length=length)  # an injected ENOSPC (tests)
         os.posix_fallocate(fd, offset, length)  # tmpfs allocates the pages now

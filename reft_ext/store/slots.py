@@ -37,7 +37,7 @@ import torch
 from reft_ext.store.atomic import write_atomic
 from reft_ext.store.checksum import checksum
 from reft_ext.store.paths import domain, job_dir
-from reft_ext.store.shm import ShmSegment, _free_bytes, _space_error, ensure_private_dir
+from reft_ext.store.shm import ShmSegment, check_space, ensure_private_dir
 
 
 # ---- small metadata as JSON (RNG states, counters, scheduler) ------------------------
@@ -209,11 +209,8 @@ class SnapshotStore:
             for key, fname, n in todo:
                 self._open(key, fname, n)
             return
-        need = sum(max(n, 1) for _, _, n in todo)
         ensure_private_dir(self.dir)
-        free = _free_bytes(self.dir)
-        if need > free:
-            raise _space_error(os.path.join(self.dir, todo[0][1]), need, free)
+        check_space(os.path.join(self.dir, todo[0][1]), sum(max(n, 1) for _, _, n in todo))
         self._pending = {key for key, _, _ in todo}
         self._creator = threading.Thread(target=self._create_all, args=(todo,),
                                          name="reft-shm-reserve", daemon=True)
