@@ -49,6 +49,7 @@ def test_cuda_arch_flags(monkeypatch):
         "-gencode=arch=compute_90,code=compute_90"]
 
 
+@pytest.mark.slow  # an nvcc build (~25 s); the CPU build is tested in the default tier
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_gpu_variant_builds_links_and_imports(tmp_path):
     """REFT_BUILD_GPU=1 runs the real build_ext with the CUDA part (nvcc compiles the .cu

@@ -150,5 +150,7 @@ def test_hang_timeout_flag_is_validated():
     assert ReftConfig(snapshot_every=1, hang_timeout=2.5).hang_timeout == 2.5
 
 
+@pytest.mark.slow  # make test's 12 minutes; the watcher killing a stopped process and
+# its limits stay in the default tier (the unit-level tests above)
 def test_frozen_rank_is_killed_and_the_job_recovers(tmp_path, reference_runs):
     scenarios.frozen_rank_is_killed_and_the_job_recovers(tmp_path, reference_runs)

@@ -110,6 +110,8 @@ def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
     same_as_reference(run, ref, 5)
 
 
+@pytest.mark.slow  # make test's 12 minutes (it pays a DP4 reference run of its own);
+# AEC parity in the default tier: tests/integration/test_has.py
 def test_lost_node_dp4_aec_decodes_from_three_parities(reference_runs):
     ref = reference_runs("dp4", 4, TINY + N + LAYOUTS["dp4"])
     run = torchrun(4, TINY + N + LAYOUTS["dp4"] + reft("aec") +
