@@ -48,9 +48,8 @@ namespace {
 //
 // Body in blocks of 8 pages, copying 128 (AVX-512) / 64 (AVX2) bytes from each
 // page in turn (glibc's large_memcpy_4x idea): several concurrent DRAM streams
-// per thread keep more banks busy than one.  Single thread, 256 MiB, dev box:
-// plain streaming loop ~9.3 GB/s, 2 pages ~10.8, 4 pages ~11.5, 8 pages ~11.9,
-// glibc memcpy of the whole buffer ~11.2 (see docs/csrc.md).
+// per thread keep more banks busy than one (the measurements of the variants:
+// docs/csrc.md).
 constexpr size_t kPage = 4096, kPages = 8;
 
 __attribute__((target("avx512f"))) void copy_nt_avx512(uint8_t* d, const uint8_t* s, size_t n) {

@@ -18,8 +18,8 @@ namespace reft {
 // caches could keep for a later reader, and streaming stores skip the
 // read-for-ownership of every destination line (1/3 less memory traffic for a
 // copy).  Below it the output may still be read from cache soon, so normal
-// stores win.  4 MiB is twice this box's per-core L2; not finely tuned (at
-// 64 MiB and up streaming won clearly: 11 vs 7 GB/s single-thread copy).
+// stores win.  4 MiB is twice the development box's per-core L2; not finely
+// tuned (large outputs gain clearly from streaming: docs/csrc.md).
 constexpr size_t kNontemporalThreshold = size_t(4) << 20;
 
 // Single-threaded: out[i] = XOR_j srcs[j][i] for i in [begin, end).

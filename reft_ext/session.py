@@ -22,6 +22,9 @@ import contextlib
 import errno
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from typing import Protocol
 
@@ -30,7 +33,8 @@ import torch
 from reft_ext.cluster import status as node_status
 from reft_ext.config import ReftConfig
 from reft_ext.load.recover import recover
-from reft_ext.load.rollback import RollbackConfig, RollbackError, SpikeDetector
+from reft_ext.load.rollback import (RollbackConfig, RollbackError, SpikeDetector,
+                                    batches_to_skip)
 from reft_ext.report import summary
 from reft_ext.report.events import emit as reft_emit, record
 from reft_ext.save.snapshotter import ReftSnapshotter, StateAdapter, reft_print
@@ -121,8 +125,118 @@ class DisabledSession(_Trace):
     def close(self) -> None:
         pass
 
+    def release_start(self) -> None:
+        pass
+
     def summary(self, state) -> str:
         return ""
+
+
+class _TermGuard:
+    """SIGTERM (a preemption) while a snapshot is in flight: the rank finishes and
+    commits it, then terminates, so the node watcher flushes the last completed
+    iteration (under HAS the snapshot of i is committed during i+1, before i+1's step:
+    docs/has.md). In flight means from the end of an iteration that is snapshotted (the
+    session's after_step) to the commit of its snapshot. Otherwise SIGTERM terminates
+    at once, as by default. Installed only where SIGTERM has no handler yet
+    (--exit-signal-handler saves a checkpoint its own way), while the session trains.
+
+    A Python handler runs only when the main thread is back in the interpreter: one
+    stuck in a collective whose peer died (torchrun's SIGTERM after a failure) would
+    never run it. A thread woken through the signal wakeup fd ends the process at once
+    when nothing is in flight, else after :meth:`grace` (the commit could not finish)."""
+
+    GRACE_MAX_S = 25.0  # within torchrun's 30 s between its SIGTERM and SIGKILL
+
+    def __init__(self, session: ReftSession):
+        self.session = session
+        self.received = False
+        self.stepping = False  # a completed iteration to be snapshotted, not yet begun
+        self.busy = False      # the snapshot in flight being drained and committed
+        self.installed = False
+        self._pipe: tuple[int, int] | None = None
+        self._previous_fd = -1
+
+    def install(self) -> None:
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            self._previous_fd = signal.set_wakeup_fd(w)
+            signal.signal(signal.SIGTERM, self._handler)
+        except ValueError:  # not the main thread: the default action stays
+            return
+        self._pipe, self.installed = (r, w), True
+        threading.Thread(target=self._watch, args=(r,), name="reft-sigterm",
+                         daemon=True).start()
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        self.installed = False
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.set_wakeup_fd(self._previous_fd)
+        r, w = self._pipe
+        with contextlib.suppress(OSError):
+            os.write(w, b"\0")  # wakes the thread: it ends and closes its end
+        with contextlib.suppress(OSError):
+            os.close(w)
+
+    def grace(self) -> float:
+        """Twice the median iteration, for the commit of the snapshot in flight."""
+        try:
+            its = sorted(self.session.iteration_s)
+        except RuntimeError:  # appended to by the main thread meanwhile
+            its = []
+        return min(self.GRACE_MAX_S, 2.0 + 2 * (its[len(its) // 2] if its else 5.0))
+
+    def _watch(self, r: int) -> None:
+        try:
+            while True:
+                data = os.read(r, 64)
+                if not data or 0 in data:
+                    return  # uninstalled
+                if signal.SIGTERM in data:
+                    break
+            deadline = time.monotonic() + (self.grace() if self._in_flight() else 0.0)
+            while time.monotonic() < deadline and self.installed:
+                time.sleep(0.05)
+            if self.installed:  # the main thread has not terminated (nor the session ended)
+                sys.stdout.flush()
+                os._exit(128 + signal.SIGTERM)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(r)
+
+    def _in_flight(self) -> bool:
+        snap = self.session.snap
+        return self.busy or self.stepping or (snap is not None and snap.pending is not None)
+
+    def _handler(self, signum, frame) -> None:  # noqa: ARG002 - signal API
+        self.received = True
+        if not self._in_flight():
+            self.terminate(None)
+
+    def safe_point(self) -> None:
+        """Nothing in flight here: a SIGTERM received meanwhile terminates now."""
+        if self.received and not self._in_flight():
+            self.terminate(self.session.snap.last.get("iteration"))
+
+    def terminate(self, committed: int | None) -> None:
+        self.uninstall()
+        if committed is not None:
+            s = self.session
+            msg = (f"rank {s.adapter.rank}: SIGTERM: committed the snapshot of iteration "
+                   f"{committed} first; terminating")
+            if s.snap.signals.leader:  # one line per failure domain, an event per rank
+                reft_print(msg)
+            record("sigterm_committed", iteration=committed)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action: killed by SIGTERM
+        os._exit(128 + signal.SIGTERM)
 
 
 class ReftSession(_Trace):
@@ -139,27 +253,38 @@ class ReftSession(_Trace):
         overwrite every byte, e.g. --no-load-optim; reft_ext/load/recover.py)."""
         super().__init__(cfg.trace_file, events, trace_group)
         self.cfg, self.adapter, self.state = cfg, adapter, state
-        self._check_shm_dir()
-        self.snap = ReftSnapshotter(cfg, adapter, events)
+        self.snap = None
+        self._closed = False
+        self._node_dir = node_dir(cfg.shm_dir, cfg.job_id, cfg.node_of(adapter.rank))
+        self._start_files = self._check_shm_dir()
+        try:
+            self.snap = ReftSnapshotter(cfg, adapter, events)
+        except BaseException:  # a placement or memory error: nothing of this start stays
+            self.release_start()
+            raise
         self.heartbeat = None  # --reft-hang-timeout (reft_ext/cluster/heartbeat.py), on_start
         self.fused_load = fused_load
         self.rollback_cfg = rollback or RollbackConfig(rollback_on="off")
         self.detector = SpikeDetector(self.rollback_cfg)
         self._t_step: float | None = None
-        self.iteration_s: list[float] = []  # this process's iteration times (summary)
-        self._closed = False
+        # this process's iteration times (the summary's median): the last WINDOW only
+        self.iteration_s = summary.Window()
+        self._term = _TermGuard(self)  # SIGTERM: the snapshot in flight commits first
         # set by a trainer that opens this session after an in-process restart
         self.restarted_in_process = False
 
-    def _check_shm_dir(self) -> None:
+    def _check_shm_dir(self) -> set[str]:
         """Before any segment exists: each rank's failure-domain directory must be this
         user's own (another user's, e.g. another job under the same --reft-job-id, is
         never written into). Job-wide, so every rank stops with the same one line
-        instead of the others hanging in their next collective."""
+        instead of the others hanging in their next collective. Returns this rank's
+        files already there (what :meth:`release_start` keeps)."""
         a = self.adapter
-        d = node_dir(self.cfg.shm_dir, self.cfg.job_id, self.cfg.node_of(a.rank))
+        d = self._node_dir
+        mine = set()
         try:
             ensure_private_dir(d)
+            mine = {n for n in os.listdir(d) if n.startswith(f"rank{a.rank}.")}
             why = None
         except ShmDirError as exc:
             why = str(exc)
@@ -168,6 +293,33 @@ class ReftSession(_Trace):
         why = next((w for w in seen if w), None)
         if why:
             raise ShmDirError(errno.EACCES, why)
+        return mine
+
+    def release_start(self) -> None:
+        """A start refused after the session opened (a placement error, a checkpoint of
+        another layout, another run's snapshots ...): this rank's segments created since
+        it opened are removed, and the node's directory once it is empty. Files that
+        were there before stay: a refused restart must not destroy the snapshots that a
+        corrected one recovers from."""
+        if self._closed:
+            return
+        self._closed = True
+        if getattr(self, "_term", None) is not None:
+            self._term.uninstall()
+        if self.snap is not None:
+            self.snap.abandon()  # threads stopped (the background reservation joined)
+            self.snap.store.close()
+        try:
+            names = os.listdir(self._node_dir)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(f"rank{self.adapter.rank}.") and \
+                    name not in self._start_files:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self._node_dir, name))
+        with contextlib.suppress(OSError):  # the node's other ranks may still hold files
+            os.rmdir(self._node_dir)
 
     # ---- start-up ------------------------------------------------------------------
     def recover(self, persistent_iteration: int | None) -> int | None:
@@ -176,8 +328,12 @@ class ReftSession(_Trace):
         its persistent checkpoint instead (``persistent_iteration``, newer wins)."""
         # another run's snapshots (same --reft-job-id, other seed/model/data...): refuse
         # job-wide before anything is read or imported
+        from reft_ext.load.flushed import flushed_manifests
+
+        on_disk = flushed_manifests(self.cfg.flush_dir, self.adapter.rank) \
+            if self.cfg.flush_dir else None
         why = refuse_other_runs(self.snap.store, self.cfg.flush_dir, self.adapter.identity(),
-                                self.adapter.control_group)
+                                self.adapter.control_group, on_disk)
         if why:
             from reft_ext.load.errors import IdentityMismatch
 
@@ -230,6 +386,7 @@ class ReftSession(_Trace):
         self._start_watcher()
         self.snap.signals.set(node_status.HEALTHY,
                               detail=f"training from iteration {state.iteration}")
+        self._term.install()
 
     def _start_watcher(self) -> None:
         """Save-on-failure: the node's first rank starts a watcher of the node's workers
@@ -249,13 +406,18 @@ class ReftSession(_Trace):
 
     # ---- every iteration -----------------------------------------------------------
     def before_optimizer_step(self, state) -> None:
+        self._term.busy = True
         self.snap.before_optimizer_step()  # the snapshot in flight completes first
+        self._term.busy = False
+        self._term.safe_point()  # a SIGTERM meanwhile: terminate now, this step undone
         if self.heartbeat is not None:
             # snapshot committed, the step's collectives not begun: a rank stuck here
             # waits for no one (this is where --inject-fault R:ITER:STOP freezes a rank)
             self.heartbeat.work()
 
     def after_step(self, state) -> None:
+        # the iteration is complete: a SIGTERM from here waits for its snapshot's commit
+        self._term.stepping = state.iteration % self.cfg.snapshot_every == 0
         now = time.perf_counter()
         if self._t_step is not None:
             self.iteration_s.append(now - self._t_step)
@@ -272,6 +434,8 @@ class ReftSession(_Trace):
             self.snap.maybe_snapshot(state.iteration)
         if self.heartbeat is not None:
             self.heartbeat.iteration_done(state.iteration)
+        self._term.stepping = False
+        self._term.safe_point()  # end-of-iteration: committed above; has: in flight
 
     def heartbeat_paused(self):
         """Checkpoint saves and validation beat nowhere and may outlast
@@ -304,8 +468,10 @@ class ReftSession(_Trace):
 
     def rollback(self, state, reason: str) -> None:
         """Every rank, in process: back to the oldest snapshot of the ring, AOR replicas
-        re-synchronized, the data position moved past --reft-skip-batches batches."""
-        spike = state.iteration
+        re-synchronized, the data position moved past the spiking batch (and on to
+        --reft-skip-batches batches from the restored position, if that is further)."""
+        # the data position after the spiking iteration: the end of the batch that spiked
+        spike, spike_end = state.iteration, state.consumed_train_samples
         t0 = time.perf_counter()
         mine = [int(m["iteration"]) for m in self.snap.store.manifests().values()]
         target = torch.tensor([min(mine) if mine else -1], dtype=torch.int64)
@@ -329,22 +495,21 @@ class ReftSession(_Trace):
             # holders take their owners' restored shards (or keep them: same bytes)
             self.snap.aor.initialize(seed=self.snap.aor_seed())
         n = self.detector.rolled_back(spike, it)
-        gbs, first = self.adapter.global_batch_size, state.consumed_train_samples
-        skip = self.rollback_cfg.skip_batches * gbs
-        state.consumed_train_samples += skip
+        # through the spiking batch, whatever the ring's depth (load/rollback.py)
+        skip = batches_to_skip(it, spike, state.consumed_train_samples, spike_end,
+                               self.adapter.global_batch_size, self.rollback_cfg.skip_batches)
+        state.consumed_train_samples = skip.last + 1
         summary.count_rollback(state.extra)
-        skipped = (f"samples {first}-{first + skip - 1}" if skip else "nothing")
         if self.adapter.rank == 0:
             reft_print(f"rollback: {reason} at iteration {spike} -> iteration {it} restored "
                        f"from host memory in {1000 * (time.perf_counter() - t0):.1f} ms; "
-                       f"skipped {self.rollback_cfg.skip_batches} global batch(es): "
-                       f"{skipped}; rollback {n} of at most "
+                       f"{skip.text()}; rollback {n} of at most "
                        f"{self.rollback_cfg.rollback_limit} within "
                        f"{self.rollback_cfg.spike_window} iterations", event="rollback",
                        reason=reason, spike=spike, iteration=it,
-                       ms=1000 * (time.perf_counter() - t0),
-                       skip_batches=self.rollback_cfg.skip_batches,
-                       samples=[first, first + skip - 1] if skip else None, count=n,
+                       ms=1000 * (time.perf_counter() - t0), skip_batches=skip.batches,
+                       iterations=[it + 1, spike], after_spike=skip.after_spike,
+                       samples=[skip.first, skip.last], count=n,
                        limit=self.rollback_cfg.rollback_limit,
                        window=self.rollback_cfg.spike_window)
 
@@ -378,6 +543,7 @@ class ReftSession(_Trace):
         if self._closed:
             return
         self._closed = True
+        self._term.uninstall()
         if self.heartbeat is not None:
             self.heartbeat.pause()
             self.heartbeat.close()
@@ -387,6 +553,8 @@ class ReftSession(_Trace):
         """The snapshots' segments unmapped, and removed unless --reft-keep-snapshots."""
         if not self._closed:
             self._closed = True
+            # a SIGTERM during the final flush: everything is committed, the run ends
+            self._term.uninstall()
             self.snap.close(remove=not self.cfg.keep_snapshots)
 
     def summary(self, state) -> str:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.harness import events as ev
 from tests.harness.run import RunResult, torchrun
 
 
@@ -45,3 +46,11 @@ def cpu_hog():
             p.kill()
         for p in hogs:
             p.wait()
+
+
+@pytest.fixture
+def events(tmp_path, monkeypatch):
+    """What this process records meanwhile (REFT_EVENTS_FILE): a function that reads it."""
+    path = str(tmp_path / "events.jsonl")
+    monkeypatch.setenv(ev.ENV, path)
+    return lambda: ev.load(path)

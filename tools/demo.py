@@ -121,6 +121,25 @@ def compare(lines, reference: str) -> list[str]:
     return out
 
 
+def compare_checkpoints(run_dir: str, reference: str) -> tuple[list[str], bool]:
+    """The final persistent checkpoints of both runs, item by item through megatron-core
+    (tools/compare_checkpoints.py: not REFT's list of tensors that the hashes cover)."""
+    mine = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(reference):
+        return [f"- no failure-free checkpoint at {reference}: run `make run` first"], True
+    if REPO not in sys.path:  # run as a script: tools/ is sys.path[0], not the repository
+        sys.path.insert(0, REPO)
+    from tools.compare_checkpoints import compare_paths, table
+
+    rows, counts = compare_paths(mine, reference)
+    what = f"{counts['tensors']} tensors, {counts['items']} other items"
+    if not rows:
+        return [f"- final checkpoint identical to the failure-free run's, item by item "
+                f"({what}; tools/compare_checkpoints.py)"], True
+    return [f"- final checkpoint DIFFERS from the failure-free run's in {len(rows)} items:",
+            table(rows)], False
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,6 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--compare", default="runs/default/train.log",
                    help="log of the same job without faults (make run)")
+    p.add_argument("--compare-checkpoint", default=None,
+                   help="checkpoints of the same job without faults (default: the "
+                        "'checkpoints' directory beside --compare)")
     p.add_argument("trainer_args", nargs=argparse.REMAINDER,
                    help="-- then pretrain_llama.py flags")
     args = p.parse_args(argv)
@@ -141,7 +163,11 @@ def main(argv=None) -> int:
     print("\n".join(digest(lines) or ["- no fault fired"]))
     print("== final state vs the failure-free run ==")
     print("\n".join(compare(lines, args.compare)))
-    return 0
+    ref_ckpt = args.compare_checkpoint or os.path.join(os.path.dirname(args.compare),
+                                                       "checkpoints")
+    report, same = compare_checkpoints(args.run_dir, ref_ckpt)
+    print("\n".join(report))
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import signal
 
 from reft_ext.cluster import status as node_status
 from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig
-from tools.launch_nodes import JobOutput
+from tools.launch_config import JobOutput
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,5 +4,6 @@
 from megatron.training import lazy_jit
 
 # before anything here imports megatron.core: its fusion kernels are compiled on first
-# use, not at import (saves ~2 s of every rank's start-up; see lazy_jit.py)
+# use, not at import, where torch's compiler would weigh on every rank's start-up (see
+# lazy_jit.py; the figures: docs/foundation.md)
 lazy_jit.install()

@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron.training.errors import ArgumentError  # (raised here; importers name it here)
-from megatron.training.fault_injection import (GRAMMAR, PHASES, check_fault_phases,
-                                              parse_fault_specs, parse_spike_specs)
 from reft_ext.plan.presets import (  # shared with the planner
     MODEL_PRESETS,
     check_model_split,
     fill_model_shape,
 )
+from reft_ext.testing.fault_specs import (GRAMMAR, PHASES, FaultSpecError, check_fault_phases,
+                                          parse_fault_specs, parse_spike_specs)
+
+
+class ArgumentError(ValueError):
+    """An invalid flag value or combination; the message names the flag."""
 
 
 def _add_model_args(p):
@@ -122,13 +125,18 @@ def _add_checkpoint_args(p):
                         "optimizer step) on torchrun attempt ATTEMPT (default 0), once per "
                         "process; MODE node|snapshot|shm-full|corrupt[-replica|-manifest|"
                         "-committed] adds REFT damage. Phases: " + ", ".join(PHASES) +
-                        " (megatron/training/fault_injection.py)")
+                        " (reft_ext/testing/fault_specs.py)")
     g.add_argument("--inject-spike", type=str, default=None, metavar="RANK:ITER[:scale|nan]",
                    help="tests: before ITER's optimizer step, multiply RANK's gradients by "
                         "1e4 (scale) or make them NaN (nan), once per process")
     g.add_argument("--skip-train-batches", type=str, default=None, metavar="ITER:N[,...]",
                    help="before iteration ITER, skip N global batches of training data "
                         "(what a rollback with --reft-skip-batches N does; a reference run)")
+    g.add_argument("--poison-train-samples", type=str, default=None,
+                   metavar="FIRST-LAST[,...]",
+                   help="tests: training samples FIRST..LAST have NaN in their loss mask, "
+                        "as a corrupt sample would: every pass over them gives a NaN loss "
+                        "(a spike that follows the data, not the iteration)")
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -217,17 +225,39 @@ def validate_args(args):
         _fail("--vocab-size", "required with --tokenizer-type NullTokenizer")
     if args.eval_interval < 1 or args.log_interval < 1:
         _fail("--eval-interval/--log-interval", "must be >= 1")
-    if args.inject_fault is not None:
-        parse_fault_specs(args.inject_fault, ws)
-    if args.inject_spike is not None:
-        parse_spike_specs(args.inject_spike, ws)
+    try:  # the test machinery's parsers (reft_ext/testing/fault_specs.py)
+        if args.inject_fault is not None:
+            parse_fault_specs(args.inject_fault, ws)
+        if args.inject_spike is not None:
+            parse_spike_specs(args.inject_spike, ws)
+    except FaultSpecError as exc:
+        raise ArgumentError(str(exc)) from None
     for part in (args.skip_train_batches or "").split(","):
         bits = part.split(":")
         if part and not (len(bits) == 2 and all(b.isdigit() for b in bits) and int(bits[0]) >= 1):
             _fail("--skip-train-batches", f"expected ITER:N with ITER >= 1, got {part!r}")
+    if args.poison_train_samples is not None:
+        from megatron.training.data import parse_sample_ranges
+
+        try:
+            parse_sample_ranges(args.poison_train_samples)
+        except ValueError as exc:
+            _fail("--poison-train-samples", str(exc))
+    if args.data_path is not None and not args.mock_data:
+        from megatron.training.data import data_path_error
+
+        why = data_path_error(args.data_path, args.tokenizer_type)
+        if why:
+            _fail("--data-path", why)
+    if args.save:
+        _check_writable_dir("--save", args.save, "point it at a directory this user can "
+                            "create and write (checkpoints are written there)")
     _validate_reft(args)
     if args.inject_fault is not None:  # a phase this run never reaches would never fire
-        check_fault_phases(parse_fault_specs(args.inject_fault, ws), args)
+        try:
+            check_fault_phases(parse_fault_specs(args.inject_fault, ws), args)
+        except FaultSpecError as exc:
+            raise ArgumentError(str(exc)) from None
     return args
 
 
@@ -251,9 +281,43 @@ def _validate_reft(args):
                               bool(args.use_distributed_optimizer))
     except ReftConfigError as exc:
         raise ArgumentError(str(exc)) from None
+    if not cfg.enabled and cfg.protect != "none":
+        # the default --reft-snapshot-every 0 takes no snapshot: nothing would be protected
+        _fail("--reft-protect", f"{cfg.protect} protects snapshots, and --reft-snapshot-every "
+              f"{cfg.snapshot_every} takes none (REFT off): add --reft-snapshot-every N "
+              f"(N >= 1) or drop --reft-protect")
+    if cfg.enabled and cfg.flush_dir:  # save-on-failure writes there when it is needed
+        _check_writable_dir("--reft-flush-dir", cfg.flush_dir, "point it at a directory "
+                            "this user can create and write (default <--save>/reft-flush), "
+                            "or give --reft-flush-dir none to turn save-on-failure off")
     if rollback.rollback_on == "spike" and not cfg.enabled:
         _fail("--reft-rollback-on", "spike rolls back to a snapshot in host memory: it "
               "needs --reft-snapshot-every >= 1")
+
+
+def _check_writable_dir(flag: str, path: str, what: str) -> None:
+    """``path`` is a directory this process can create (or has) and write into. Probed
+    with a temporary entry, removed at once: a refused start leaves nothing behind, and
+    a directory that cannot be written fails now, not when a save is due."""
+    import tempfile
+
+    target = os.path.abspath(path)
+    base = target  # the nearest existing ancestor: where the directory would be made
+    while not os.path.lexists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        _fail(flag, f"{path} exists and is not a directory; {what}" if base == target
+              else f"cannot create {path}: {base} is not a directory; {what}")
+    try:
+        if base == target:
+            fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=target)
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".create-check-", dir=base))
+    except OSError as exc:
+        verb = "write into" if base == target else "create"
+        _fail(flag, f"cannot {verb} {path} ({exc.strerror} in {base}); {what}")
 
 
 def _validate_virtual_pipeline(args):

@@ -24,8 +24,10 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training import optimizer_state
+from megatron.training.checkpoint_integrity import INDEX, seal_checkpoint, verify_checkpoint
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
+from reft_ext.report.events import record
 from reft_ext.state.identity import differences, stamp
 from reft_ext.testing import fault_point, get_fault_observer  # --inject-fault moments
 
@@ -85,8 +87,8 @@ def _faulty_write(write, iteration: int, *args, **kwargs):
 
 def _prewarm_results_queue() -> None:
     """dist_checkpointing's writer results queue uses a spawn-context Manager whose
-    start re-imports ``__main__`` (torch + megatron: 11-18 s on the first save on this
-    CPU). A fork-context Manager serves the same queue in ~0.3 s."""
+    start re-imports ``__main__`` (torch and megatron: seconds, paid by the first save).
+    A fork-context Manager serves the same queue without any import."""
     import multiprocessing as mp
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
@@ -169,7 +171,7 @@ class Checkpointer:
         root = args.save
         path = checkpoint_dir(root, it)
         t0 = time.time()
-        fault_point("save", iteration=it)  # --inject-fault ...@save (fault_injection.py)
+        fault_point("save", iteration=it)  # --inject-fault ...@save (reft_ext/testing)
         if torch.distributed.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         torch.distributed.barrier()
@@ -182,6 +184,7 @@ class Checkpointer:
             request = request._replace(async_fn=partial(_faulty_write, request.async_fn, it))
 
         def finalize():
+            seal_checkpoint(path, it)  # every file's checksum, before the tracker names it
             fault_point("save-tracker", iteration=it)  # files written, tracker not yet
             if torch.distributed.get_rank() == 0:
                 _write_tracker(root, it)
@@ -205,7 +208,7 @@ class Checkpointer:
         only then remove the newer ones: there is always a complete checkpoint."""
         self.maybe_finalize(blocking=True)
         root, it = self.args.save, state.iteration
-        if os.path.isfile(os.path.join(checkpoint_dir(root, it), "metadata.json")):
+        if os.path.isfile(os.path.join(checkpoint_dir(root, it), INDEX)):  # a finished save
             if torch.distributed.get_rank() == 0:
                 _write_tracker(root, it)
             self.latest = it
@@ -254,6 +257,8 @@ class Checkpointer:
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
             raise CheckpointError(f"--load {root}: {TRACKER} names iteration {it} but "
                                   f"{path} is missing or incomplete")
+        it = self._newest_verified(root, it)
+        path = checkpoint_dir(root, it)
         # timed as REFT-load times itself (reft_ext/load/recover.py): after a barrier, so the
         # ranks' arrival skew is not counted, and reported as the slowest rank's time
         torch.distributed.barrier()
@@ -303,6 +308,31 @@ class Checkpointer:
                      f"[{secs.item():.3f} s, slowest rank]")
         return True
 
+    def _newest_verified(self, root: str, newest: int) -> int:
+        """The iteration to load: the tracker's when every file of it matches its
+        checksum (checkpoint_integrity.py), else the newest older one that does, said in
+        a line naming what failed. No verified checkpoint at all: CheckpointError."""
+        older = sorted((int(m.group(1)) for m in map(
+            lambda n: re.fullmatch(r"iter_(\d+)", n), os.listdir(root)) if m), reverse=True)
+        refused = []
+        for it in [newest] + [i for i in older if i < newest]:
+            path = checkpoint_dir(root, it)
+            problems = verify_checkpoint(path)  # collective: every rank gets the same list
+            if not problems:
+                if refused:
+                    print_rank_0(f"loading {path} instead: the newest older checkpoint in "
+                                 f"{root} whose files all match their checksums "
+                                 f"({TRACKER} still names iteration {newest})")
+                return it
+            refused.append(path)
+            shown = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)"
+                                               if len(problems) > 3 else "")
+            print_rank_0(f"[REFT] warning: checkpoint {path} refused: {shown}")
+            record("checkpoint_refused", path=path, iteration=it, problems=problems)
+        raise CheckpointError(f"--load {root}: no checkpoint there verifies (refused: "
+                              f"{', '.join(refused)}); each failure is named above. Restore "
+                              f"the files from a copy or start without --load")
+
     def _warn_other_run(self, common: dict, path: str) -> None:
         """A checkpoint saved by a run of other settings (seed, data, batch...) is loaded
         as asked (fine-tuning or changing a run from a checkpoint is normal Megatron use),
@@ -320,8 +350,6 @@ class Checkpointer:
                      f"{f'run {run}' if run else 'a run'} of other settings ("
                      f"{'; '.join(diff) if diff else 'another fingerprint'}): loading it "
                      f"as asked")
-        from reft_ext.report.events import record  # (every rank: one line above)
-
         record("identity_mismatch", path=path, run=run, differences=diff)
 
     def _check_layout(self, saved: dict, path: str) -> None:

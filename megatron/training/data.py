@@ -195,6 +195,38 @@ def ensure_preprocessed(prefix_or_jsonl: str = DEFAULT_CORPUS,
     return prefix
 
 
+def data_path_error(paths: List[str], tokenizer_type: str = "ByteLevelTokenizer") -> Optional[str]:
+    """What is wrong with --data-path (prefixes, or weight/prefix pairs), or None: every
+    prefix has its .bin and .idx, or (ByteLevelTokenizer) a JSONL corpus next to it that
+    ensure_preprocessed tokenizes on first use. Checked at argument validation, so a
+    typo is one error line and not a traceback per rank once the job is built."""
+    if not paths:
+        return "give at least one dataset prefix (PREFIX for PREFIX.bin/.idx), or --mock-data"
+    try:
+        prefixes = get_blend_from_list(list(paths))[0]
+    except (AssertionError, ValueError):
+        prefixes = list(paths)
+    for prefix in prefixes:
+        for ext in _CORPUS_EXTS:
+            if prefix.endswith(ext):
+                return (f"{prefix} is a JSONL corpus; give its dataset prefix "
+                        f"{prefix[:-len(ext)] + _DOC_SUFFIX} (built from it on first use)")
+        missing = [p for p in (get_bin_path(prefix), get_idx_path(prefix))
+                   if not os.path.isfile(p)]
+        if not missing:
+            continue
+        source, _ = _corpus_and_prefix(prefix)
+        if source is not None and tokenizer_type == "ByteLevelTokenizer":
+            continue  # tokenized from the JSONL on first use
+        why = f"no {' and no '.join(missing)}"
+        if source is not None:
+            why += (f" (the JSONL {source} next to it is tokenized on first use with "
+                    f"--tokenizer-type ByteLevelTokenizer only)")
+        return (f"dataset prefix {prefix}: {why}; give PREFIX of existing PREFIX.bin and "
+                f"PREFIX.idx (tools/preprocess_data.py writes them) or --mock-data")
+    return None
+
+
 def _data_fingerprint(prefixes: List[str]) -> str:
     """Content hash of the indexed datasets (.idx bytes, .bin size). megatron-core's cache names
     hash the prefix path but not the data, so a corpus rebuilt under the same prefix would reuse
@@ -318,6 +350,36 @@ def _with(args, **overrides):
     return ns
 
 
+def parse_sample_ranges(text: str) -> List[Tuple[int, int]]:
+    """``FIRST-LAST[,...]`` (--poison-train-samples) as [(first, last), ...]."""
+    out = []
+    for part in text.split(","):
+        bits = part.split("-")
+        if len(bits) != 2 or not all(b.isdigit() for b in bits) or \
+                int(bits[0]) > int(bits[1]):
+            raise ValueError(f"expected FIRST-LAST[,...] with FIRST <= LAST, got {part!r}")
+        out.append((int(bits[0]), int(bits[1])))
+    return out
+
+
+class PoisonedSamples(torch.utils.data.Dataset):
+    """--poison-train-samples (tests): the training samples of ``ranges`` have NaN in
+    their loss mask, as a corrupt sample would: whichever iteration reads them, however
+    often, its loss and gradients are NaN. The sampler's ids are global sample ids."""
+
+    def __init__(self, dataset, ranges: List[Tuple[int, int]]):
+        self.dataset, self.ranges = dataset, ranges
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int):
+        item = self.dataset[idx]
+        if any(first <= idx <= last for first, last in self.ranges):
+            item = dict(item, loss_mask=torch.full_like(item["loss_mask"], float("nan")))
+        return item
+
+
 # --------------------------------------------------------------------------------------------
 # Loaders and iterators
 # --------------------------------------------------------------------------------------------
@@ -372,6 +434,8 @@ def build_train_valid_test_data_iterators(args, tokenizer, consumed_train_sample
         raise ValueError("global_batch_size must be a multiple of micro_batch_size * dp size")
 
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(args, tokenizer)
+    if getattr(args, "poison_train_samples", None) and train_ds is not None:
+        train_ds = PoisonedSamples(train_ds, parse_sample_ranges(args.poison_train_samples))
     dp = (data_parallel_rank, data_parallel_size)
     train_iter = (iter(build_pretraining_data_loader(train_ds, consumed_train_samples, args, *dp))
                   if train_ds is not None else None)

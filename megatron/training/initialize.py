@@ -11,7 +11,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
-from megatron.training import cpu_compat, inprocess
+from megatron.training import cpu_compat, inprocess_generation
 
 
 def _free_port() -> int:
@@ -52,7 +52,7 @@ def initialize_distributed(args) -> None:
     if not torch.distributed.is_initialized():
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         # under the in-process supervisor: this generation's store prefix
-        store = inprocess.store_kwargs(timeout) or _elastic_store_kwargs(timeout)
+        store = inprocess_generation.store_kwargs(timeout) or _elastic_store_kwargs(timeout)
         torch.distributed.init_process_group(backend=backend, timeout=timeout, **store)
     ws = torch.distributed.get_world_size()
     if ws != args.world_size:
@@ -66,7 +66,7 @@ def initialize_distributed(args) -> None:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    inprocess.after_initialize()  # the groups an in-process restart rebinds
+    inprocess_generation.after_initialize()  # the groups an in-process restart rebinds
 
 
 def set_random_seed(seed: int) -> None:

@@ -4,7 +4,8 @@ The generations, the abort and the supervisor are reft_ext's
 (reft_ext/cluster/inprocess.py, supervisor.py). What is Megatron's is here:
 
 * the process groups of each generation rendezvous on that generation's store prefix
-  (:func:`store_kwargs`, called by initialize.py);
+  (inprocess_generation.py, called by initialize.py: this module re-joins through
+  initialize.py, so initialize.py must not import it);
 * tearing down: megatron-core's parallel state and every torch process group;
 * *rebinding*: the model chunks, the DDP buffers and bucket groups, the optimizer, the
   p2p communicator... keep the process groups they were built with. Rather than
@@ -31,83 +32,46 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.timers import Timers
 
-from reft_ext.cluster import inprocess
+from megatron.training.inprocess_generation import (all_groups, base_descriptions,
+                                                   base_groups, describe, generation)
 from reft_ext.cluster.inprocess import RestartError
 
-_gen: inprocess.Generation | None = None
-_base_groups: list = []  # this generation's groups as initialize_distributed made them
 _others: list = []       # the later groups of the failed generation (none may stay held)
-_base_desc: list = []    # their (name, ranks, backend): what must match across generations
-
-
-def generation() -> inprocess.Generation | None:
-    return _gen
-
-
-def store_kwargs(timeout) -> dict:
-    """init_process_group's store/rank/world under the in-process supervisor, else {}."""
-    global _gen
-    if not inprocess.enabled():
-        return {}
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if _gen is None:
-        _gen = inprocess.Generation(rank, world)
-    return dict(store=_gen.pg_store(timeout), rank=rank, world_size=world)
-
-
-def _groups() -> list:
-    from torch.distributed import distributed_c10d as c10d
-
-    return list(c10d._world.pg_names)  # creation order (the default group first)
-
-
-def _describe(groups: list) -> list:
-    from torch.distributed import distributed_c10d as c10d
-
-    return [(c10d._world.pg_names.get(g), tuple(c10d._world.pg_group_ranks.get(g, {})),
-             g.name() if hasattr(g, "name") else "") for g in groups]
-
-
-def after_initialize() -> None:
-    """The groups initialize_distributed made (what :func:`rebind` maps), and the abort
-    watcher of this generation."""
-    global _base_groups, _base_desc
-    _base_groups = _groups()
-    _base_desc = _describe(_base_groups)
-    if _gen is not None:
-        _gen.watch()
 
 
 def trained() -> None:
     """The first iteration of this generation is done (under the supervisor)."""
-    if _gen is not None:
-        _gen.trained()
+    gen = generation()
+    if gen is not None:
+        gen.trained()
 
 
 def close() -> None:
     """Training ended: stop this rank's abort watcher."""
-    if _gen is not None:
-        _gen.close()
+    gen = generation()
+    if gen is not None:
+        gen.close()
 
 
 def should_restart(args, exc: BaseException) -> bool:
     """Restart in this process? Only under the supervisor, with --reft-restart
     in-process, and for what a peer's failure looks like (a bug of this rank's own
     exits: the supervisor replaces the process)."""
-    if _gen is None or getattr(args, "reft_restart", "process") != "in-process":
+    gen = generation()
+    if gen is None or getattr(args, "reft_restart", "process") != "in-process":
         return False
     if not isinstance(exc, Exception) or isinstance(exc, RestartError):
         return False
-    return _gen.is_failure(exc)
+    return gen.is_failure(exc)
 
 
 def teardown() -> list:
     """Leave megatron-core's parallel state and destroy every process group; returns the
     old groups (for :func:`rebind`)."""
     global _others
-    old = list(_base_groups)
-    old_desc = list(_base_desc)
-    _others = [g for g in _groups() if g not in old]  # the session's, the trace's...
+    old = base_groups()
+    old_desc = base_descriptions()
+    _others = [g for g in all_groups() if g not in old]  # the session's, the trace's...
     try:
         mpu.destroy_model_parallel()
     except Exception:  # noqa: BLE001 - groups of a failed generation may not destroy
@@ -127,7 +91,7 @@ def rebind(old_groups: list, new: list, roots: list) -> int:
     global _released
     old = [g for g, _ in old_groups]
     old_ranks = [d[1:] for _, d in old_groups]
-    new_ranks = [d[1:] for d in _describe(new)]
+    new_ranks = [d[1:] for d in describe(new)]
     if old_ranks != new_ranks:
         raise RestartError(f"this generation made other process groups than the last "
                            f"({len(new_ranks)} vs {len(old_ranks)}; ranks {new_ranks} vs "
@@ -230,10 +194,6 @@ def roots(trainer) -> list:
     return [trainer, *mods]
 
 
-def base_groups() -> list:
-    return list(_base_groups)
-
-
 # ---- the collectives of building the model and optimizer ----------------------------------
 # megatron-core's optimizer builder agrees on parameter groups job-wide (all_gather_object
 # over the world, core/optimizer/__init__.py _get_param_groups). A replacement process
@@ -248,7 +208,7 @@ def recording_build():
     orig = torch.distributed.all_gather_object
 
     def recorded(object_list, obj, group=None):
-        index = None if group is None else _groups().index(group)
+        index = None if group is None else all_groups().index(group)
         _build_calls.append((copy.deepcopy(obj), index))
         return orig(object_list, obj, group=group)
 
@@ -261,7 +221,7 @@ def recording_build():
 
 def replay_build() -> None:
     """A survivor's side of a replacement's model and optimizer build."""
-    groups = _groups()
+    groups = all_groups()
     for obj, index in _build_calls:
         group = None if index is None else groups[index]
         out = [None] * torch.distributed.get_world_size(group)
@@ -278,7 +238,7 @@ def restart_in_process(trainer, failure: str) -> None:
     from megatron.training.initialize import initialize_distributed
     from reft_ext.report.events import emit
 
-    args, s, gen = trainer.args, trainer.state, _gen
+    args, s, gen = trainer.args, trainer.state, generation()
     rank, g, t0 = gen.rank, gen.gen, time.time()
     gen.request_abort(failure[:200])
     gen.abort_now("this rank's collective failed")

@@ -2,9 +2,9 @@
 
 megatron-core binds ``megatron.core.jit.jit_fuser = torch.compile`` and decorates its
 fusion kernels with it at import time (``megatron/core/fusions/*.py``). Decorating is
-enough to make torch import ``torch._dynamo`` and ``torch._inductor``: about 1.5-2.5 s
-of every rank's start-up on a 2-core machine, for kernels that a CPU run never calls
-(every fusion is off there) and that a GPU run compiles on first call anyway.
+enough to make torch import ``torch._dynamo`` and ``torch._inductor``: a large share of
+every rank's start-up (docs/foundation.md has the figures), for kernels that a CPU run
+never calls (every fusion is off there) and that a GPU run compiles on first call anyway.
 
 ``install()`` registers a meta-path finder that, right after ``megatron.core.jit`` has
 executed, replaces its ``jit_fuser`` by :func:`lazy_compile`: the same

@@ -12,8 +12,8 @@ come from"):
   requests; their ``wait()`` is wrapped instead, so the real waits are seen either way.
 
 Both report to a :class:`reft_ext.report.timeline.PipelineEvents`. The timers are also the
-seam of ``--inject-fault ...@forward|backward|send|recv`` (megatron/training/
-fault_injection.py): a rank with such a fault gets them even when no events are wanted. ``check_seams()`` verifies
+seam of ``--inject-fault ...@forward|backward|send|recv`` (reft_ext/testing/
+fault_specs.py): a rank with such a fault gets them even when no events are wanted. ``check_seams()`` verifies
 that megatron-core still has the signatures this relies on; tests/integration/test_has.py runs it,
 so an upgrade that moves them fails a test rather than silently losing the bubbles.
 """

@@ -32,7 +32,7 @@ import time
 import torch
 from megatron.core import parallel_state as mpu
 
-from megatron.training import fault_injection, optimizer_state
+from megatron.training import optimizer_state
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import emit
 from reft_ext.cluster import shrink
@@ -42,6 +42,7 @@ from reft_ext.config import ReftConfig
 from reft_ext.load.rollback import RollbackConfig
 from reft_ext.report.events import emit as reft_emit, record
 from reft_ext.session import DisabledSession, ReftSession
+from reft_ext.testing import fault_observer, fault_specs
 from reft_ext.testing import fault_point  # --inject-fault moments (no-op in production)
 
 
@@ -126,7 +127,7 @@ def pipeline_events(args, transformer_config):
     run calls megatron-core exactly as Megatron-LM does."""
     cfg = ReftConfig.from_args(args)
     if not (cfg.enabled or cfg.trace_file):
-        if any(fault_injection.wants(p) for p in fault_injection.SEAM_PHASES):
+        if any(fault_observer.wants(p) for p in fault_specs.SEAM_PHASES):
             # --inject-fault ...@forward|backward|send|recv on this rank: the timers seam
             # only (no events, megatron-core's own p2p communicator)
             from megatron.training import pipeline_events as events_mod
@@ -168,7 +169,7 @@ def open_session(args, state: TrainingState, faults=(), events=None, trace_group
     session = ReftSession(cfg, adapter, state, events=events, trace_group=trace_group,
                           rollback=RollbackConfig.from_args(args),
                           fused_load=not args.no_load_optim)
-    obs = fault_injection.observer() or fault_injection.install(faults, adapter.rank)
+    obs = fault_observer.observer() or fault_observer.install(faults, adapter.rank)
     if obs is not None:  # tests and demos: the REFT part of this rank's --inject-fault modes
         from reft_ext.testing.faults import ReftFaults
 
@@ -281,11 +282,11 @@ def startup_health_check(args) -> bool:
     cfg = ReftConfig.from_args(args)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rpn, node = cfg.ranks_per_node, rank // cfg.ranks_per_node
-    attempt, inject = fault_injection.attempt(), None
+    attempt, inject = fault_specs.attempt(), None
     # tests and demos only; every rank parses the same flags, so all or none of them
     # take part in the collective
     if any(f.phase == "health" for f in
-           fault_injection.parse_fault_specs(args.inject_fault or "")):
+           fault_specs.parse_fault_specs(args.inject_fault or "")):
         # --inject-fault ...@health: ITER is the iteration the job resumes from
         attempt, resume = _job_max([attempt, resume_iteration(args, cfg, rank)],
                                    hc.health_timeout)

@@ -22,16 +22,16 @@ from megatron.core.timers import Timers
 
 from megatron.training import children, fault_injection, inprocess, llama_model
 from megatron.training.checkpointing import Checkpointer
-from megatron.training.fault_injection import (maybe_inject_spike, parse_fault_specs,
-                                              parse_spike_specs)
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
 from megatron.training.signals import ExitSignal
 from megatron.training.train_log import TrainLogger
 from megatron.training.train_state import TrainingState, params_hash
-from megatron.training.utils import emit, is_last_rank, print_rank_0, process_start_time
+from megatron.training.utils import emit, print_rank_0, process_start_time
 from reft_ext.report.events import record
 from reft_ext.testing import fault_point  # --inject-fault moments (no-op in production)
+from reft_ext.testing.fault_observer import maybe_inject_spike
+from reft_ext.testing.fault_specs import parse_spike_specs
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -87,8 +87,7 @@ class Trainer:
         initialize_megatron(args)
         self.marks.append(("distributed init", time.time()))
         # --inject-fault: this rank's fault observer, before the health check (a phase)
-        self.faults = parse_fault_specs(args.inject_fault) if args.inject_fault else []
-        fault_injection.install(self.faults, torch.distributed.get_rank())
+        self.faults = fault_injection.install_from_args(args, torch.distributed.get_rank())
         from megatron.training import reft_integration
 
         # before any state is built or loaded: a node that fails leaves (or stops) the job
@@ -104,8 +103,7 @@ class Trainer:
             # the checkpoint writers' fork-context Manager (checkpointing.py), forked now
             # while this process is small: forked once the model and optimizer exist,
             # their pages are copy-on-write shared with it and the first write to each
-            # (REFT-load's write back, the first step) copies it (measured: a restore
-            # from own memory 0.57 s instead of 0.27 s, 24 layers x 512)
+            # (REFT-load's write back, the first step) copies it (docs/reft.md)
             from megatron.training.checkpointing import _prewarm_results_queue
 
             _prewarm_results_queue()
@@ -134,11 +132,17 @@ class Trainer:
               f"parameters on this rank: {n_params}", flush=True)
         self.marks.append(("model+optimizer", time.time()))
         self.logger = TrainLogger(args, self.state)
-        self.losses: dict[int, str] = {}  # iteration -> loss as float.hex, for tests
+        # iteration -> loss as float.hex, kept only for --log-loss-history (the tests'
+        # record of every iteration on every rank that computes the loss)
+        self.losses: dict[int, str] = {}
         self._failure = None  # a generation that failed while this rank joined it
         try:
             self._join()
         except Exception as exc:  # noqa: BLE001 - a replacement's start-up: see train()
+            if not inprocess.should_restart(args, exc) and hasattr(self, "reft"):
+                # a refused start (a checkpoint of another layout, another run's
+                # snapshots ...): the shared memory it allocated goes with it
+                self.reft.release_start()
             self._failure = self._restartable(exc)
 
     def _restartable(self, exc: Exception) -> str:
@@ -235,7 +239,7 @@ class Trainer:
             ev.step_end()
         for hook in self.hooks:  # REFT: the snapshot in flight completes before the step
             hook.before_optimizer_step(s)
-        fault_point("step", iteration=s.iteration + 1)  # --inject-fault (fault_injection.py)
+        fault_point("step", iteration=s.iteration + 1)  # --inject-fault (reft_ext/testing)
         if self.spikes:
             maybe_inject_spike(self.spikes, torch.distributed.get_rank(), s.iteration + 1,
                                s.model, self.spikes_fired)
@@ -308,7 +312,8 @@ class Trainer:
             s.consumed_train_samples += args.global_batch_size
             s.skipped_iters += skipped
             if "lm loss" in loss:
-                self.losses[s.iteration] = float(loss["lm loss"]).hex()
+                if args.log_loss_history:
+                    self.losses[s.iteration] = float(loss["lm loss"]).hex()
                 if not math.isfinite(loss["lm loss"]):
                     s.nan_iters += 1
             s.report = {"loss": loss.get("lm loss"), "grad_norm": grad_norm}
@@ -402,7 +407,7 @@ class Trainer:
             emit(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
                  f"state {params_hash(s)}")
         if args.log_loss_history:
-            if self.losses and is_last_rank():
+            if self.losses:  # every rank of the last pipeline stage
                 emit(f"[LOSSES] rank {torch.distributed.get_rank()} " + " ".join(
                     f"{i}:{h}" for i, h in sorted(self.losses.items())))
         self.logger.close()

@@ -8,6 +8,6 @@ _EXPORTS = {  # module: the names it offers
     "health_config": ("HealthConfig",),
     "health": ("run_health_check",),
     "watcher": ("spawn",),
-    "shrink": ("mark_unhealthy", "leave_job", "hand_over"),
+    "shrink": ("mark_unhealthy", "leave_job", "hand_over", "write_handover", "take_handover"),
 }
 __all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from reft_ext.report.threads import join_or_warn
+
 ENV_STORE = "REFT_INPROCESS_STORE"      # host:port of the supervisor's store
 ENV_GENERATION = "REFT_GENERATION"      # the generation this process joins first
 PREFIX = "reft/ip"
@@ -209,7 +211,7 @@ class AbortWatcher(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(timeout=5)
+        join_or_warn(self, 5, "the in-process restart's abort watcher", generation=self.gen_no)
 
     def run(self) -> None:
         k = key("abort", self.gen_no)

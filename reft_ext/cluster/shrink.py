@@ -2,15 +2,23 @@
 and the job shrinks or stops (docs/nodes.md). The trainer's call site
 (megatron/training/reft_integration.py) decides who stays and who leaves; what that
 means for the shared memory, and the note REFT-load reads after the restart
-(reft_ext/load/reshard.py), is decided here, next to the library that reads them.
+(reft_ext/load/reshard.py), is decided here: the handover note's format is this module's,
+which REFT-load imports (the job's watching layer sits below loading).
 """
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import re
 import shutil
+import socket
 
 from reft_ext.cluster import status as node_status
 from reft_ext.config import ReftConfig
+from reft_ext.store import paths
+from reft_ext.store.atomic import write_atomic
 from reft_ext.store.paths import node_dir
 
 
@@ -30,10 +38,37 @@ def leave_job(cfg: ReftConfig, node: int) -> None:
 
 def hand_over(cfg: ReftConfig, rank: int, node: int, world_size: int) -> None:
     """A healthy rank stays for the smaller job: who it was in this one, for REFT-load
-    after the restart (reft_ext/load/reshard.py reads and removes the note). Nothing
-    when snapshots are off (nothing in memory to reshard)."""
+    after the restart (reft_ext/load/reshard.py reads and removes the note with
+    :func:`take_handover`). Nothing when snapshots are off (nothing in memory to
+    reshard)."""
     if not cfg.enabled:
         return
-    from reft_ext.load.reshard import write_handover
-
     write_handover(cfg.shm_dir, cfg.job_id, rank, node, world_size)
+
+
+# ---- the handover note: written here, read by REFT-load (reft_ext/load/reshard.py) -----
+def _key() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+    return f"{host}-{os.getppid()}-{os.environ.get('LOCAL_RANK', '0')}"
+
+
+def write_handover(shm_dir: str, job: str, rank: int, node: int, world_size: int) -> str:
+    """This rank's place in the job it is leaving (next to the old node's directory, so
+    the launcher's clean-up of ``reft-<job>-node*`` removes a stale note too)."""
+    path = paths.node_file(shm_dir, job, node, f".handover-{_key()}.json")
+    write_atomic(path, json.dumps({"rank": rank, "node": node, "world_size": world_size}))
+    return path
+
+
+def take_handover(shm_dir: str, job: str) -> dict | None:
+    """This rank's note from the attempt before, removed: a later restart of the same
+    agent must not take it for a fresh one."""
+    found = None
+    for p in glob.glob(paths.node_glob(shm_dir, job, f".handover-{glob.escape(_key())}.json")):
+        try:
+            with open(p) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            pass
+        os.unlink(p)
+    return found

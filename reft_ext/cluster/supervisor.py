@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from reft_ext.cluster.inprocess import ENV_GENERATION, ENV_STORE, key
+from reft_ext.report.threads import join_or_warn
 
 # what a warm spare imports while it waits (a cold worker imports the same on its own)
 DEFAULT_PRELOAD = ("torch,megatron.core.parallel_state,megatron.core.models.gpt,"
@@ -258,7 +259,7 @@ class Supervisor:
         """Nothing started here outlives the supervisor (ranks, spares)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5)
+            join_or_warn(self._thread, 5, "the in-process supervisor's monitor")
         self._kill_all()
 
 

@@ -63,8 +63,8 @@ def fault_spec(node: int, attempt: int = 0) -> str:
 
 
 def _attempt() -> int:
-    """The attempt of the workers this watcher watches (megatron/training/
-    fault_injection.py counts the same way; the watcher inherits their environment)."""
+    """The attempt of the workers this watcher watches (reft_ext/testing/
+    fault_specs.py counts the same way; the watcher inherits their environment)."""
     return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) +
             int(os.environ.get("REFT_NODE_GENERATION", "0")))
 
@@ -226,7 +226,15 @@ def watch(a) -> int:
     if not a.flush_dir:
         return 0
     t0 = time.time()
-    done = flush_node(node_dir, a.flush_dir, a.node)
+    try:
+        done = flush_node(node_dir, a.flush_dir, a.node)
+    except OSError as exc:  # checked writable at start-up; full or gone since: say so
+        msg = (f"node {a.node}: flush of the snapshots to --reft-flush-dir {a.flush_dir} "
+               f"failed: {exc}; the node's host memory still holds them until it is wiped")
+        status.write(a.shm_dir, a.job, a.node, status.UNHEALTHY,
+                     detail=f"{cause}; {msg}" if cause else msg)
+        reft_emit("flush_failed", msg, node=a.node, flush_dir=a.flush_dir, error=str(exc))
+        return 1
     its = sorted({i for v in done.values() for i in v})
     msg = (f"flushed node {a.node}'s snapshots (ranks {sorted(done)}, iterations {its}) to "
            f"{a.flush_dir} in {time.time() - t0:.2f} s")

@@ -6,7 +6,9 @@ path, the flushed slots of a rank are put back into its shared-memory store when
 newer than what the store holds (a job restarted from scratch, a replaced node): REFT-load
 then treats them exactly as host memory, so the same checksum verification (a torn or
 corrupt file is never loaded), the same job-wide planning (newest iteration every sharding
-group can rebuild wins) and the same comparison with ``--load`` apply.
+group can rebuild wins) and the same comparison with ``--load`` apply. A slot is committed
+here only where the flushed commit pointer names it: without one, the imported slots stay
+uncommitted, as in memory after a torn pointer (the job-wide newest commit decides).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import glob
 import os
 import re
 
+from reft_ext.report.events import reft_print
 from reft_ext.store.slots import SnapshotStore, read_sealed
 
 _reported: set = set()  # (path, why): one line per bad flushed file
@@ -25,8 +28,6 @@ def _read(path: str) -> dict | None:
     obj, why = read_sealed(path)
     if why is not None and (path, why) not in _reported:
         _reported.add((path, why))
-        from reft_ext.save.snapshotter import reft_print
-
         reft_print(f"{path} {why}: not used", event="untrusted_file", path=path,
                    kind="flushed", why=why)
     return obj
@@ -43,8 +44,6 @@ def torn_flush(flush_dir: str, rank: int) -> bool:
     why = "marks a flush that was cut short"
     if (path, why) not in _reported:
         _reported.add((path, why))
-        from reft_ext.save.snapshotter import reft_print
-
         reft_print(f"{path} {why}: rank {rank}'s flushed snapshots not used",
                    event="untrusted_file", path=path, kind="flushed", why=why, rank=rank)
     return True
@@ -81,9 +80,12 @@ def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | N
     newest = max(int(m["iteration"]) for m in flushed.values())
     if in_memory and max(in_memory) >= newest:
         return None  # the node's memory survived: it is at least as new
-    for slot in store.slots:
-        try:  # every manifest goes first: no old manifest may describe new bytes
-            os.unlink(store._path(store._name(slot, "json")))
+    # every manifest goes first, and memory's commit pointer with them: no old file may
+    # describe new bytes (a pointer left behind would commit whatever lands in its slot)
+    for name in [store._name(slot, "json") for slot in store.slots] + \
+            [f"rank{store.rank}.committed"]:
+        try:
+            os.unlink(store._path(name))
         except FileNotFoundError:
             pass
     for slot, man in flushed.items():
@@ -91,17 +93,37 @@ def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | N
         with open(os.path.join(flush_dir, f"rank{store.rank}.slot{slot}.bin"), "rb") as f:
             f.readinto(memoryview(dst.numpy()))
         store.finish(slot, man)
-    # the commit pointer the node had (the watcher copies it): a slot finished on this
-    # rank but never committed job-wide stays uncommitted here too
-    try:
-        pointer = _read(os.path.join(flush_dir, f"rank{store.rank}.committed"))
-    except OSError:
-        pointer = None
-    if pointer and pointer.get("slot") in flushed and \
-            int(flushed[pointer["slot"]]["iteration"]) == int(pointer.get("iteration", -1)):
+    # the commit pointer the node had (the watcher copies it) is the only proof that a
+    # flushed slot was committed job-wide: without it none is (finished is not committed)
+    pointer, why = _flushed_pointer(flush_dir, store.rank, flushed)
+    path = os.path.join(flush_dir, f"rank{store.rank}.committed")
+    if pointer is not None:
         store.commit(pointer["slot"], int(pointer["iteration"]))
-    else:
-        last = max(flushed, key=lambda s: int(flushed[s]["iteration"]))
-        store.commit(last, int(flushed[last]["iteration"]))
+    elif why is not None and (path, why) not in _reported:
+        _reported.add((path, why))
+        reft_print(f"{path} {why}: rank {store.rank}'s flushed snapshots imported "
+                   f"uncommitted (only an iteration committed on another rank is used)",
+                   event="untrusted_file", path=path, kind="flushed", why=why,
+                   rank=store.rank)
     return newest
+
+
+def _flushed_pointer(flush_dir: str, rank: int, flushed: dict) -> tuple[dict | None, str | None]:
+    """(the flushed commit pointer, None) when it names a flushed slot of the iteration it
+    says, else (None, why); why None: a torn pointer, already reported by :func:`_read`."""
+    path = os.path.join(flush_dir, f"rank{rank}.committed")
+    try:
+        pointer = _read(path)
+    except OSError:
+        return None, "is missing"
+    if pointer is None:
+        return None, None
+    try:
+        slot, it = pointer["slot"], int(pointer["iteration"])
+    except (KeyError, TypeError, ValueError):
+        return None, "names no slot and iteration"
+    if not isinstance(slot, int) or slot not in flushed or \
+            int(flushed[slot]["iteration"]) != it:
+        return None, f"names slot {slot} of iteration {it}, which is not among the flushed slots"
+    return pointer, None
 

@@ -25,11 +25,9 @@ from reft_ext import _native
 from reft_ext.store.checksum import CHUNK, _flat, combine
 from reft_ext.state.layout import StreamLayout
 
-STEP = 2 << 20  # hashed, then copied while still in the core's cache (best of 0.5-4 MiB here)
-# regular stores: streaming (non-temporal) stores, once ~10% faster here, measured 0.55x
-# of regular ones on 2026-11-24 (benchmarks/bench_load.py: fused 3.9-4.3 GB/s with them,
-# 6.8-7.8 without, interleaved runs); the restored state is also what the next
-# iteration reads first
+STEP = 2 << 20  # hashed, then copied while still in the core's cache (size: docs/reft.md)
+# regular stores, not streaming (non-temporal) ones: the restored state is what the next
+# iteration reads first, and bench_load.py found regular stores faster (docs/reft.md)
 NT = 0
 
 _pool: ThreadPoolExecutor | None = None

@@ -30,7 +30,7 @@ from reft_ext.load.planning import (GroupPlan, RecoveryPlan, needs_full_verify,
                                     other_world_size, owned_source, plan_recovery,
                                     recovery_tier)
 from reft_ext.load.view import SnapshotView
-from reft_ext.save.snapshotter import reft_print
+from reft_ext.report.events import reft_print
 from reft_ext.state.regions import Region, Source
 from reft_ext.store.slots import from_jsonable
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)

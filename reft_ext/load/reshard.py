@@ -19,52 +19,20 @@ agent (host, pid) and local rank. The next attempt reads and removes it.
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-import re
-import socket
 import time
 
 import torch
 
+# the note's format is the writer's (the leaving job's code, a layer below this one)
+from reft_ext.cluster.shrink import take_handover, write_handover
 from reft_ext.load.errors import RecoveryError
 from reft_ext.load.inventory import Offer, take_offer
 from reft_ext.load.planning import plan_reshard
 from reft_ext.load.view import SnapshotView
-from reft_ext.save.snapshotter import reft_print
-from reft_ext.store import paths
-from reft_ext.store.atomic import write_atomic
+from reft_ext.report.events import reft_print
 from reft_ext.store.slots import SnapshotStore, from_jsonable
 
 __all__ = ["write_handover", "take_handover", "plan_reshard", "reshard_from_memory"]
-
-
-def _key() -> str:
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
-    return f"{host}-{os.getppid()}-{os.environ.get('LOCAL_RANK', '0')}"
-
-
-def write_handover(shm_dir: str, job: str, rank: int, node: int, world_size: int) -> str:
-    """This rank's place in the job it is leaving (next to the old node's directory, so
-    the launcher's clean-up of ``reft-<job>-node*`` removes a stale note too)."""
-    path = paths.node_file(shm_dir, job, node, f".handover-{_key()}.json")
-    write_atomic(path, json.dumps({"rank": rank, "node": node, "world_size": world_size}))
-    return path
-
-
-def take_handover(shm_dir: str, job: str) -> dict | None:
-    """This rank's note from the attempt before, removed: a later restart of the same
-    agent must not take it for a fresh one."""
-    found = None
-    for p in glob.glob(paths.node_glob(shm_dir, job, f".handover-{glob.escape(_key())}.json")):
-        try:
-            with open(p) as f:
-                found = json.load(f)
-        except (OSError, ValueError):
-            pass
-        os.unlink(p)
-    return found
 
 
 def _offer(v: SnapshotView, note: dict) -> tuple[Offer, SnapshotStore]:

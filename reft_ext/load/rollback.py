@@ -15,6 +15,10 @@ a snapshot in memory every iteration it takes one REFT-load (milliseconds) in pr
 * Target: the oldest of the ``--reft-keep`` snapshots in the ring, i.e. up to
   (K-1) x ``--reft-snapshot-every`` iterations before the spike: the update that caused a
   loss spike happened one step before the spike shows.
+* Skip (``ReftSession.rollback``): back at iteration R after a spike at S, the data
+  position moves past the batches of R+1..S, the spiking one always included (trained
+  on again, a bad batch spikes again), or ``--reft-skip-batches`` batches from R's
+  position if that is more.
 * A bound (``--reft-rollback-limit`` rollbacks within ``--reft-spike-window`` iterations)
   stops a job that would otherwise loop, with an error naming the flag.
 """
@@ -58,9 +62,10 @@ class RollbackConfig(ReftFlags):
         help="at most this many rollbacks within --reft-spike-window iterations; one more "
              "stops the job with an error instead of looping"))
     skip_batches: int = field(default=1, metadata=dict(
-        help="after a rollback, skip this many global batches from the restored data "
-             "position (the batches that led to the spike); their sample indices are "
-             "logged"))
+        help="after a rollback to iteration R of a spike at S, skip the global batches of "
+             "iterations R+1..S (the batches that led to the spike, the spiking one "
+             "always included), or this many from the restored data position if that is "
+             "more; the sample indices and iterations are logged"))
 
     def __post_init__(self):
         if self.rollback_on not in MODES:
@@ -74,13 +79,50 @@ class RollbackConfig(ReftFlags):
         if self.rollback_limit < 1:
             raise ReftConfigError(f"--reft-rollback-limit: must be >= 1, got "
                                   f"{self.rollback_limit}")
-        if self.skip_batches < 0:
-            raise ReftConfigError(f"--reft-skip-batches: must be >= 0, got {self.skip_batches}")
+        if self.skip_batches < 1:  # 0 would read as "skip nothing", which no rollback does
+            raise ReftConfigError(f"--reft-skip-batches: must be >= 1 (a rollback always "
+                                  f"skips through the spiking batch), got {self.skip_batches}")
 
     @property
     def enabled(self) -> bool:
         return self.rollback_on != "off"
 
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The global batches a rollback to iteration ``target`` skips after a spike at
+    ``spike``: samples ``first``..``last``, ``after_spike`` of the batches past the
+    spiking one."""
+
+    target: int
+    spike: int
+    first: int
+    last: int
+    batches: int
+    after_spike: int
+
+    def text(self) -> str:
+        which = (f"iteration {self.spike}'s" if self.target + 1 == self.spike else
+                 f"iterations {self.target + 1}-{self.spike}'s, through the spiking one")
+        more = f", and {self.after_spike} after it" if self.after_spike else ""
+        return (f"skipped {self.batches} global batch(es) ({which}{more}): samples "
+                f"{self.first}-{self.last}")
+
+
+def batches_to_skip(target: int, spike: int, restored_samples: int, spike_samples: int,
+                    global_batch_size: int, skip_batches: int) -> Skip:
+    """What a rollback skips. ``restored_samples``: the data position of the snapshot of
+    ``target``; ``spike_samples``: the position after ``spike`` (the end of the batch that
+    spiked). The batches of target+1..spike are skipped whatever the ring's depth, the
+    spiking one last (trained on again, it spikes again): the data position is one
+    counter, so the skip is one range from the restored position, stretched to
+    ``skip_batches`` batches if that is more."""
+    gbs = global_batch_size
+    through = max(spike_samples - restored_samples, 0)
+    skip = max(through, skip_batches * gbs)
+    return Skip(target, spike, restored_samples, restored_samples + skip - 1, skip // gbs,
+                (skip - through) // gbs)
 
 
 MIN_HISTORY = 8    # finite values needed before the spike rule judges

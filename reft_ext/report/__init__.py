@@ -3,7 +3,7 @@
 from reft_ext._exports import lazy_exports
 
 _EXPORTS = {  # module: the names it offers
-    "events": ("emit", "record"),
+    "events": ("emit", "record", "reft_print"),
     "progress": ("Progress",),
     "timeline": ("PipelineEvents", "write_chrome_trace"),
     "summary": ("format_summary",),

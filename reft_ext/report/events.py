@@ -83,6 +83,13 @@ def emit(event: str | None, text: str | None, *, prefix: str = "[REFT]", **field
         record(event, **fields)
 
 
+def reft_print(msg: str, event: str | None = None, **fields) -> None:
+    """One ``[REFT]`` line in one write; with ``event``, the same fact as fields in
+    ``$REFT_EVENTS_FILE`` too. Here, at the bottom, so that every layer (the store
+    included) reports through it without importing the snapshotter."""
+    emit(event, msg, **fields)
+
+
 def read(path: str) -> list[dict]:
     """Every event of a file written by :func:`record`, in the order written (a line a
     killed process left half-written is skipped)."""

@@ -7,14 +7,36 @@ the snapshots and recoveries of all its attempts (those of the lineage that surv
 work that a recovery rolled back is not counted twice).
 
 Timings (blocking per snapshot, iteration time) are this process's own: medians over the
-iterations it ran.
+last :data:`WINDOW` values of each (a :class:`Window`, so that a run of any length keeps
+a fixed memory); the line says so once a run has more.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import deque
 
 KEY = "reft"
+WINDOW = 1000  # per-iteration timings kept for the summary's medians
+
+
+class Window:
+    """The last ``size`` values of a series that grows every iteration, and how many there
+    were in all: memory stays fixed over a run of any length."""
+
+    def __init__(self, size: int = WINDOW):
+        self.values: deque[float] = deque(maxlen=size)
+        self.count = 0  # values ever appended
+
+    def append(self, value: float) -> None:
+        self.values.append(value)
+        self.count += 1
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self):
+        return iter(self.values)
 
 
 def counters(extra: dict) -> dict:
@@ -43,10 +65,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def format_summary(*, extra: dict, every: int, regions: dict, blocked_s: list[float],
-                   iteration_s: list[float], host_bytes_per_node: int, nodes: int,
-                   protection: str) -> str:
-    """One line (without the ``[REFT]`` prefix). ``regions``: name -> bytes per rank."""
+def _of(values, what: str) -> str:
+    """What a median covers, where a :class:`Window` dropped older values."""
+    if isinstance(values, Window) and values.count > len(values):
+        return f" of the last {len(values)} {what}"
+    return ""
+
+
+def format_summary(*, extra: dict, every: int, regions: dict, blocked_s, iteration_s,
+                   host_bytes_per_node: int, nodes: int, protection: str) -> str:
+    """One line (without the ``[REFT]`` prefix). ``regions``: name -> bytes per rank;
+    ``blocked_s`` (per snapshot), ``iteration_s``: lists or :class:`Window` s."""
     c = counters(extra)
     total = sum(regions.values())
     parts = ", ".join(f"{k} {_mib(v)}" for k, v in regions.items() if v)
@@ -56,8 +85,9 @@ def format_summary(*, extra: dict, every: int, regions: dict, blocked_s: list[fl
     if blocked_s and iteration_s:
         blocked = statistics.median(blocked_s)
         it = statistics.median(iteration_s)
-        line += (f"; training blocked {1000 * blocked:.2f} ms per snapshot (median), "
-                 f"{100 * blocked / it:.2f}% of the median iteration ({1000 * it:.1f} ms)")
+        line += (f"; training blocked {1000 * blocked:.2f} ms per snapshot (median"
+                 f"{_of(blocked_s, 'snapshots')}), {100 * blocked / it:.2f}% of the median "
+                 f"iteration ({1000 * it:.1f} ms{_of(iteration_s, 'iterations')})")
     rec = c["recoveries"]
     if rec:
         line += "; recoveries: " + ", ".join(

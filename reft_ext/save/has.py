@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from reft_ext.report.threads import join_or_warn
 from reft_ext.report.timeline import Trace, now_us
 from reft_ext.state.regions import Region
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
@@ -110,11 +111,13 @@ class HasWorker:
                 raise RuntimeError("HAS snapshot thread failed") from self._error
         return time.perf_counter() - t0
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the thread; False (and a warning said) when a unit it runs outlasts
+        ``timeout_s``: it may still be writing into the slot."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+        return join_or_warn(self._thread, timeout_s, "the HAS snapshot thread")
 
     # ---- PipelineEvents listener (called on the training thread) -------------------------
     def wait_begin(self, name: str) -> None:

@@ -32,8 +32,9 @@ from reft_ext.state.identity import stamp
 from reft_ext.cluster import status as node_status
 from reft_ext.store.commit import Committer
 from reft_ext.store.slots import SnapshotStore, to_jsonable
+from reft_ext.report.summary import Window
 from reft_ext.report.timeline import PipelineEvents
-from reft_ext.report.events import emit, record
+from reft_ext.report.events import record, reft_print  # (reft_print: offered here too)
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 
@@ -53,12 +54,6 @@ class StateAdapter(Protocol):
     def owned_tensors(self) -> list[tuple[str, torch.Tensor]]: ...
     def get_meta(self) -> dict: ...
     def set_meta(self, meta: dict) -> None: ...
-
-
-def reft_print(msg: str, event: str | None = None, **fields) -> None:
-    """One ``[REFT]`` line in one write; with ``event``, the same fact as fields in
-    ``$REFT_EVENTS_FILE`` too (reft_ext/report/events.py)."""
-    emit(event, msg, **fields)
 
 
 class ReftSnapshotter:
@@ -112,12 +107,12 @@ class ReftSnapshotter:
         tensors = self.layout.replicated.tensors + self.layout.owned.tensors
         cpu = all(t.device.type == "cpu" for t in tensors)
         self.unit_engine = CopyEngine(1) if _native.C is not None and cpu else None
-        self._check_memory()
         self.events = events or PipelineEvents(adapter.rank)
         self.pipeline = getattr(adapter, "pipeline", (1, 1, 1))  # (pp, vpp, micro-batches)
         self.pending: Batch | None = None
         self.last: dict = {}
-        self.blocked_history: list[float] = []  # slowest rank's blocking s, per snapshot
+        # slowest rank's blocking s, per snapshot (the summary's median): the last WINDOW
+        self.blocked_history = Window()
         self.recovered_from: str | None = None  # set by REFT-load (reft_ext/load/recover.py)
         self.bandwidth = Bandwidth()  # BW_io of Algorithm 1, measured by every snapshot
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # sharing these cores
@@ -125,6 +120,9 @@ class ReftSnapshotter:
         self.schedule = make_schedule(cfg.schedule if cfg.enabled else EndOfIteration.name,
                                       self.events, self.bandwidth, self.pipeline,
                                       self.concurrent_tier2)
+        # last: its reservation thread is the only thing a refused start must stop
+        # (ReftSession.release_start), so nothing after it may fail
+        self._check_memory()
 
     def start(self) -> None:
         """Before the first step (after any recovery): holders get their owners' shards

@@ -10,14 +10,15 @@ and the flush import compare them with the starting run's, on every rank, and re
 mismatch job-wide with one line that names what differs and what to do.
 
 The data-parallel size is not part of it: an elastic shrink reloads the same run's
-snapshots at another DP size (reft_ext/load/reshard.py). Manifests written before identities
-existed carry none and are judged as before.
+snapshots at another DP size (reft_ext/load/reshard.py). No manifest older than the
+identity exists: one without it (torn, or written by something else) is refused as well.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import torch
 
@@ -39,12 +40,15 @@ def differences(mine: dict, theirs: dict) -> list[str]:
             if mine.get(k) != theirs.get(k)]
 
 
-def mismatch(manifests, mine: dict) -> str | None:
-    """The first way in which ``manifests`` (iterable of dicts) belong to another run."""
+def mismatch(manifests: dict, mine: dict) -> str | None:
+    """The first way in which ``manifests`` (file -> manifest) belong to another run; a
+    manifest without an identity counts as one (a session's snapshots always carry it)."""
     want = fingerprint(mine)
-    for m in manifests:
+    for path, m in manifests.items():
         ident = m.get("identity")
-        if ident and ident.get("fingerprint") != want:
+        if not isinstance(ident, dict):
+            return f"{path} carries no run identity: torn, or not written by REFT"
+        if ident.get("fingerprint") != want:
             diff = differences(mine, ident.get("fields", {}))
             run = f"run {ident['run']}, " if ident.get("run") else ""
             return (f"{run}iteration {m.get('iteration')}: " +
@@ -52,19 +56,21 @@ def mismatch(manifests, mine: dict) -> str | None:
     return None
 
 
-def refuse_other_runs(store, flush_dir: str, mine: dict, group) -> str | None:
+def refuse_other_runs(store, flush_dir: str, mine: dict, group,
+                      flushed: dict | None = None) -> str | None:
     """Collective over ``group``: the one-line reason (same on every rank) to refuse the
     state this job found, or None. Checks this rank's host-memory snapshots and, when
-    ``flush_dir`` is set, its flushed ones."""
-    from reft_ext.load.flushed import flushed_manifests
-
-    why = mismatch(store.manifests().values(), mine)
+    ``flush_dir`` is set, its flushed ones: ``flushed``, slot -> manifest, read by the
+    caller (reft_ext/load/flushed.py flushed_manifests; the state layer reads no tier)."""
+    why = mismatch({store._path(store._name(s, "json")): m
+                    for s, m in store.manifests().items()}, mine)
     if why:
         why = (f"--reft-job-id: host memory ({store.dir}) holds snapshots of another run "
                f"({why}). Start this run with another --reft-job-id (or torchrun "
                f"--rdzv-id), or remove {store.dir} if that run is over")
     elif flush_dir:
-        why = mismatch(flushed_manifests(flush_dir, store.rank).values(), mine)
+        why = mismatch({os.path.join(flush_dir, f"rank{store.rank}.slot{s}.json"): m
+                        for s, m in (flushed or {}).items()}, mine)
         if why:
             why = (f"--reft-flush-dir: {flush_dir} holds flushed snapshots of another run "
                    f"({why}). Give this run its own --reft-flush-dir (or --save), or "

@@ -19,8 +19,8 @@ are candidates: each file carries the SHA-256 of its own content (``self_sha256`
 the canonical JSON of the rest). A file that fails it, or does not parse, is reported once
 in a ``[REFT]`` line naming it: a manifest is then treated as torn (its slot unusable on
 this rank, so the peers' redundancy rebuilds it or the job falls back), a commit pointer
-as absent (the job-wide newest commit decides). Files written before the field existed
-are judged as before.
+as absent (the job-wide newest commit decides). A file without the field is judged the
+same way: every writer seals, so it is torn or not REFT's.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import threading
 import numpy as np
 import torch
 
+from reft_ext.report.events import reft_print
 from reft_ext.store.atomic import write_atomic
 from reft_ext.store.checksum import checksum
 from reft_ext.store.paths import domain, job_dir
@@ -99,8 +100,8 @@ def sealed(obj: dict) -> str:
 
 def read_sealed(path: str) -> tuple[dict | None, str | None]:
     """(content without the seal, None), or (None, why) for a file that is not whole:
-    it does not parse, is not an object, or fails its digest. A missing file raises
-    OSError; a file without a seal (written before seals existed) is taken as is."""
+    it does not parse, is not an object, has no seal or fails its digest. A missing file
+    raises OSError. No file older than the seal exists: one without it is torn or foreign."""
     with open(path) as f:
         text = f.read()
     try:
@@ -110,7 +111,9 @@ def read_sealed(path: str) -> tuple[dict | None, str | None]:
     if not isinstance(obj, dict):
         return None, "is not a JSON object"
     want = obj.pop(SEAL, None)
-    if want is not None and want != _digest(obj):
+    if want is None:
+        return None, f"has no checksum ({SEAL}): torn or foreign"
+    if want != _digest(obj):
         return None, f"fails its checksum ({SEAL})"
     return obj, None
 
@@ -147,8 +150,6 @@ class SnapshotStore:
             return None
         if why is not None and (path, why) not in self._reported:
             self._reported.add((path, why))
-            from reft_ext.save.snapshotter import reft_print  # (snapshot imports this module)
-
             reft_print(f"rank {self.rank}: {path} {why}: {what}", event="untrusted_file",
                        rank=self.rank, path=path, why=why,
                        kind="commit_pointer" if path.endswith(".committed") else "manifest")

@@ -2,12 +2,12 @@
 
 Production code reaches it through one narrow injection point, :func:`fault_point`: a
 named moment of a run (``fault_point("commit", iteration=it)``: the phases of
-``--inject-fault ...@PHASE``, listed in megatron/training/fault_injection.py), a request
-from the trainer's ``--inject-fault`` ("node-loss", "corrupt") or a resource about to be
-taken ("shm-reserve": reft_ext/store/shm.py reserving pages). Nothing happens unless a
-run started with ``--inject-fault`` installed an observer (the trainer's FaultObserver,
-which hands the REFT damage to reft_ext/testing/faults.py); this module imports nothing,
-so production code pays one ``None`` test per call.
+``--inject-fault ...@PHASE``, listed in fault_specs.py), a request from the
+``--inject-fault`` observer ("node-loss", "corrupt") or a resource about to be taken
+("shm-reserve": reft_ext/store/shm.py reserving pages). Nothing happens unless a run
+started with ``--inject-fault`` installed an observer (fault_observer.py's FaultObserver,
+installed by the trainer, which hands the REFT damage to faults.py); this module imports
+nothing, so production code pays one ``None`` test per call.
 
 The contract of a fault point: ``fault_point(point, iteration=ITER, **info)``, with
 ITER the iteration the moment belongs to (keyword). The observer may damage state, kill

@@ -2,8 +2,8 @@
 memory, a flipped byte or a rewritten manifest / commit pointer in a rank's committed
 snapshot.
 
-The trainer's megatron/training/fault_injection.py decides *when* (rank, phase,
-iteration, attempt) and sends the signal: its one observer sits behind
+reft_ext/testing/fault_observer.py decides *when* (rank, phase, iteration, attempt)
+and sends the signal: its one observer sits behind
 :func:`reft_ext.testing.fault_point` and fires the specs at their moments (the library's
 own moments, ``snapshot-write``, ``commit``, ... included). For the REFT part of a mode it
 calls ``fault_point("node-loss")`` / ``fault_point("corrupt", mode=...)``, which the
@@ -29,7 +29,7 @@ def _emit(msg: str) -> None:
 
 class ReftFaults:
     """The REFT damage of one rank's session (reft_ext/session.py), called by the
-    trainer's fault observer with the points in POINTS."""
+    fault observer (fault_observer.py) with the points in POINTS."""
 
     POINTS = ("node-loss", "corrupt")
 

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from tests.harness import events as ev
+from tests.harness.oracle import with_final_checkpoint
 from tests.harness.run import RunResult, events_file, parse
 
 from tools.launch_nodes import LaunchConfig, NodeLauncher
@@ -26,10 +27,13 @@ from tools.launch_nodes import LaunchConfig, NodeLauncher
 
 def launcher(nnodes: int, nproc: int, args: list[str], tmp_path, **cfg) -> NodeLauncher:
     cfg.setdefault("max_restarts", 2)
-    return NodeLauncher(LaunchConfig(nnodes=nnodes, nproc_per_node=nproc,
-                                     log_dir=tempfile.mkdtemp(dir=tmp_path, prefix="logs-"),
-                                     **cfg), args,
-                        env={ev.ENV: events_file(str(tmp_path))})
+    args, ckpt = with_final_checkpoint(args)
+    L = NodeLauncher(LaunchConfig(nnodes=nnodes, nproc_per_node=nproc,
+                                  log_dir=tempfile.mkdtemp(dir=tmp_path, prefix="logs-"),
+                                  **cfg), args,
+                     env={ev.ENV: events_file(str(tmp_path))})
+    L.final_checkpoint = ckpt  # where the run's final checkpoint goes (finish: .checkpoint)
+    return L
 
 
 def events(L: NodeLauncher) -> ev.Events:
@@ -52,7 +56,9 @@ def finish(L: NodeLauncher, timeout: float = 150) -> RunResult:
     last rank's final attempt) and its events as one run. Return code: the worst agent's."""
     codes = L.wait(timeout)
     out = L.outputs()
-    return parse(out, max(abs(c) for c in codes.values()), L.env[ev.ENV])
+    res = parse(out, max(abs(c) for c in codes.values()), L.env[ev.ENV])
+    res.checkpoint = getattr(L, "final_checkpoint", None)
+    return res
 
 
 def wait_for_event(L: NodeLauncher, event: str, timeout: float = 120, **match) -> dict:

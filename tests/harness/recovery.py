@@ -4,6 +4,8 @@ fall-back to the persistent checkpoint and why."""
 
 from __future__ import annotations
 
+import time
+
 from tests.harness.events import Events
 
 N = ["--train-iters", "6"]  # every recovery test's run length (failure-free ones shared)
@@ -42,3 +44,21 @@ def assert_persistent_fallback(events: Events, iteration: int, path: str,
         assert any(w.startswith(reason) for w in why), (reason, why or events.names())
     loaded = events.of("recovered_persistent", iteration=iteration, path=path)
     assert loaded, events.of("recovered_persistent") or events.names()
+
+
+def wait_watchers_exited(shm_dir: str, job: str, nodes, timeout: float = 90.0) -> None:
+    """Until each of ``nodes``' watchers has exited (its flush done, or killed)."""
+    from reft_ext.cluster import status, watcher
+
+    deadline, pending = time.time() + timeout, set(nodes)
+    while pending and time.time() < deadline:
+        for n in list(pending):
+            try:
+                with open(status.watcher_pid_path(shm_dir, job, n)) as f:
+                    pid = int(f.read())
+            except (OSError, ValueError):
+                continue
+            if not watcher.alive(pid):
+                pending.discard(n)
+        time.sleep(0.2)
+    assert not pending, f"watchers of nodes {sorted(pending)} still running"

@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from tests.harness import events as ev
+from tests.harness.oracle import with_final_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # worker scripts and tools import the repository's packages (tests.harness, tools) too
@@ -55,6 +56,8 @@ class RunResult:
     output: str
     hashes: dict = field(default_factory=dict)   # rank -> sha256 of the whole state
     losses: dict = field(default_factory=dict)   # iteration -> loss (float.hex)
+    losses_by_rank: dict = field(default_factory=dict)  # rank -> {iteration -> loss}
+    checkpoint: str | None = None  # the --save root of its final checkpoint (oracle.py)
     iteration: int | None = None
     events: ev.Events = field(default_factory=ev.Events)  # what REFT recorded, in order
 
@@ -81,14 +84,18 @@ def parse(output: str, returncode: int, events_path: str | None = None) -> RunRe
     for m in re.finditer(r"\[HASH\] rank (\d+) iteration (\d+) state ([0-9a-f]+)", output):
         res.hashes[int(m.group(1))] = m.group(3)
         res.iteration = int(m.group(2))
-    for m in re.finditer(r"\[LOSSES\] rank \d+ (.*)", output):
-        for it, val in re.findall(r"(\d+):(-?0x[0-9a-f.]+p[+-]\d+|nan|inf)", m.group(1)):
-            res.losses[int(it)] = val
+    for m in re.finditer(r"\[LOSSES\] rank (\d+) (.*)", output):
+        mine = res.losses_by_rank.setdefault(int(m.group(1)), {})
+        for it, val in re.findall(r"(\d+):(-?0x[0-9a-f.]+p[+-]\d+|nan|inf)", m.group(2)):
+            res.losses[int(it)] = mine[int(it)] = val
     return res
 
 
 def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int = 300,
              env: dict | None = None, script: str = "pretrain_llama.py") -> RunResult:
+    ckpt = None
+    if script == "pretrain_llama.py":
+        args, ckpt = with_final_checkpoint(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
            os.path.join(REPO, script), *args]
@@ -110,6 +117,8 @@ def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        return parse(out, proc.returncode, full_env[ev.ENV])
+        res = parse(out, proc.returncode, full_env[ev.ENV])
+        res.checkpoint = ckpt and os.path.join(REPO, ckpt)  # (cwd of the run: REPO)
+        return res
     finally:
         os.unlink(events)

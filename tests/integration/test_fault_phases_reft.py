@@ -13,21 +13,19 @@ the restarted attempt (a crash, then a crash during its recovery)."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import signal
-import time
 import uuid
 
 import pytest
 
 from reft_ext.cluster import watcher
 from reft_ext.load.flushed import import_flushed
-from reft_ext.store.slots import SnapshotStore
+from reft_ext.store.slots import SnapshotStore, sealed
 from tests.harness.compare import same_as_reference
 from tests.harness.recovery import (N, OWN, PARITY, REPLICA, assert_persistent_fallback,
-                                    assert_recovered, reft)
+                                    assert_recovered, reft, wait_watchers_exited)
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
 ARC = ("pp2dp2-zero1", "arc,aor")  # sharding groups [0, 1] [2, 3]; ZeRO-1 shards + AOR
@@ -147,23 +145,6 @@ def test_lost_node_inside_the_aor_step_then_kill_during_exchange(reference_runs)
 
 
 # ---- the node watcher killed halfway through its flush --------------------------------
-def _wait_watchers(shm_dir: str, job: str, nodes, timeout: float = 60.0) -> None:
-    """Until each node's watcher has exited (flushed, or killed)."""
-    from reft_ext.cluster import status
-
-    deadline = time.time() + timeout
-    pending = set(nodes)
-    while pending and time.time() < deadline:
-        for n in list(pending):
-            try:
-                with open(status.watcher_pid_path(shm_dir, job, n)) as f:
-                    pid = int(f.read())
-            except (OSError, ValueError):
-                continue
-            if not watcher.alive(pid):
-                pending.discard(n)
-        time.sleep(0.2)
-    assert not pending, f"watchers of nodes {sorted(pending)} still running"
 
 
 @pytest.mark.slow
@@ -185,7 +166,7 @@ def test_flush_cut_short_is_never_imported(tmp_path, reference_runs):
         first = torchrun(4, base + ["--inject-fault", "1:5"], env=env)
         assert first.returncode != 0
         _fired(first, 1, 5, "step")
-        _wait_watchers("/dev/shm", job, range(4))
+        wait_watchers_exited("/dev/shm", job, range(4))
         fault = first.events.one("fault", phase="flush")
         assert fault["node"] == 1 and "[FAULT] watcher of node 1" in first.output
         flushed = {e["node"]: e for e in first.events_of("flushed")}
@@ -229,7 +210,7 @@ def test_watcher_killed_halfway_leaves_a_marker_that_blocks_the_import(tmp_path)
     _fake_slot(node, 0, 0, 6, bytes(range(64)))
     _fake_slot(node, 0, 1, 7, bytes(range(64, 128)))
     with open(os.path.join(node, "rank0.committed"), "w") as f:
-        json.dump({"slot": 1, "iteration": 7}, f)
+        f.write(sealed({"slot": 1, "iteration": 7}))
     _fake_slot(out, 0, 1, 3, bytes(64))  # an earlier, whole flush
     code = ("import sys; from reft_ext.cluster import watcher; "
             "watcher.flush_node(sys.argv[1], sys.argv[2], 0)")

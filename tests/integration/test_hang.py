@@ -62,7 +62,10 @@ def test_a_half_written_beat_is_not_read(tmp_path):
     hb.close()
 
 
-def test_monitor_limits_working_waiting_paused(tmp_path):
+def test_monitor_limits_working_waiting_paused(tmp_path, monkeypatch):
+    """The limits by state, judged at given moments after each rank's own beat (the
+    CPU-wait discount off: it would read this very process, running the test)."""
+    monkeypatch.setattr(heartbeat, "cpu_wait", lambda pid: None)
     d = str(tmp_path)
     hb = {r: Heartbeat(d, r) for r in range(4)}
     for h in hb.values():
@@ -71,7 +74,7 @@ def test_monitor_limits_working_waiting_paused(tmp_path):
     hb[1].wait()
     hb[2].pause()
     hb[3].work()
-    t = time.monotonic()  # the beats above are microseconds older
+    t, t1 = (heartbeat.read(heartbeat.path(d, r))["t"] for r in (0, 1))  # the last beats
     mon = HangMonitor(d, [0, 1, 2, 3], [os.getpid()] * 3 + [1], timeout=2.0)  # 3: other pid
     assert mon.check(now=t + 1.9) == []
     hung = mon.check(now=t + 2.1)
@@ -80,7 +83,8 @@ def test_monitor_limits_working_waiting_paused(tmp_path):
     assert line.startswith(f"rank 0 (pid {os.getpid()}, node 0) made no progress for 2.1 s "
                            f"while computing, last completed iteration 1 (limit 2 s")
     # waiting for peers: twice the timeout (it waits for the hung one, not the culprit)
-    assert [h["rank"] for h in mon.check(now=t + 4.1)] == [0, 1]
+    assert [h["rank"] for h in mon.check(now=t1 + 3.9)] == [0]
+    assert [h["rank"] for h in mon.check(now=t1 + 4.1)] == [0, 1]
 
 
 _RANK = """
@@ -125,8 +129,8 @@ def test_verdict_falls_on_the_culprit_not_its_victims(tmp_path):
         procs[0].send_signal(signal.SIGSTOP)
         mon = HangMonitor(d, [0, 1, 2, 3], [p.pid for p in procs], timeout=1.0)
         seen: dict[int, float] = {}
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 3.0 and len(seen) < 4:
+        t0 = time.monotonic()  # a bound on the wait only (a busy host: rank 1 needs 1 s
+        while time.monotonic() - t0 < 60.0 and len(seen) < 4:  # of CPU to be judged hung)
             for h in mon.check():
                 seen.setdefault(h["rank"], h["limit"])
             time.sleep(0.05)

@@ -39,7 +39,7 @@ def test_has_1f1b_zero1_aec_matches_end_of_iteration_and_reference(reference_run
     assert sum(c[1] for c in checks.values()) > 0
     # and training itself is bit-identical to a run without snapshots
     ref = reference_runs("pp2dp2-zero1", 4, args)  # shared with test_reft_recovery
-    assert run.hashes == ref.hashes and run.losses == ref.losses
+    assert run.hashes == ref.hashes and run.losses == ref.losses  # (a worker: no checkpoint)
 
 
 @pytest.mark.slow  # 3 job runs; the 1F1B test above is the default tier's HAS check

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
+from tests.harness.compare import same_state
 from tests.harness import scenarios
 from tests.harness.recovery import assert_persistent_fallback
 from tests.harness.run import TINY, parse, torchrun
@@ -193,7 +194,7 @@ def test_real_check_names_the_injected_node(tmp_path):
         assert all(res[r][case]["lines"] == res[0][case]["lines"] for r in range(4))
     ok, ag, mm2, ag2, mm1 = res[0]
     assert ok["ok"] and ok["info"] == [0, 1, 2, 3] and "4 node(s) passed" in ok["lines"][-1]
-    assert ok["ms"] < 2000, ok["ms"]   # cheap: a few ms of compute and four small groups
+    # (its cost, ok["ms"], is benchmarks/bench_health.py's figure, not a verdict here)
     assert ag["bad"] == [2] and ag["checks"] == [ALLGATHER]
     assert ag["lines"][0].startswith("node 2 (ranks [2]) failed the all-gather check: "
                                      "round 1 with nodes [2, 3] failed (rank 3 received a "
@@ -283,8 +284,7 @@ def test_elastic_shrink_after_a_crash(zero1, tmp_path):
     assert run.iteration == 8 and sorted(run.losses) == [5, 6, 7, 8]
     # new rank r is data-parallel rank r of the DP-2 job (old ranks 0 and 2, as logged
     # above), as in the reference: each rank's whole state and every later loss, exactly
-    assert run.hashes == ref.hashes, (run.hashes, ref.hashes)
-    assert run.losses == ref.losses, (run.losses, ref.losses)
+    same_state(run, ref)
     assert not re.search(r"iteration\s+[1-4]/", out.split("excluding node(s) [1]")[-1])
 
 

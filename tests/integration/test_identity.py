@@ -1,7 +1,6 @@
 """Run identity: a run never resumes another run's snapshots (same --reft-job-id, another
 seed or protection), from host memory or from a flush directory; the same run does."""
 
-import json
 import os
 import re
 import shutil
@@ -12,6 +11,7 @@ import pytest
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
 from reft_ext.state.identity import differences, fingerprint, mismatch
+from reft_ext.store.slots import sealed
 
 N = ["--train-iters", "3"]
 
@@ -47,20 +47,22 @@ def test_another_run_with_the_same_job_id_is_refused_and_the_same_run_resumes():
                 shutil.rmtree(os.path.join("/dev/shm", d), ignore_errors=True)
 
 
-def test_mismatch_names_the_fields_and_old_manifests_are_accepted(tmp_path):
+def test_mismatch_names_the_fields_and_a_manifest_without_identity_is_refused(tmp_path):
     mine = {"seed": 1, "num_layers": 4, "data_path": None}
     theirs = dict(mine, seed=2)
     assert fingerprint(mine) == fingerprint(dict(reversed(list(mine.items()))))
     assert differences(mine, theirs) == ["seed 2 there, 1 here"]
     ok = {"iteration": 5, "identity": {"fingerprint": fingerprint(mine), "fields": mine}}
     bad = {"iteration": 4, "identity": {"fingerprint": fingerprint(theirs), "fields": theirs}}
-    legacy = {"iteration": 3}  # written before identities: judged as before
-    assert mismatch([ok, legacy], mine) is None
-    assert mismatch([ok, bad], mine) == "iteration 4: seed 2 there, 1 here"
+    bare = {"iteration": 3}  # every REFT manifest carries one: torn or foreign
+    assert mismatch({"a.json": ok}, mine) is None
+    assert mismatch({"a.json": ok, "b.json": bare}, mine) == \
+        "b.json carries no run identity: torn, or not written by REFT"
+    assert mismatch({"a.json": ok, "b.json": bad}, mine) == "iteration 4: seed 2 there, 1 here"
     # a flushed manifest is read the same way (reft_ext/load/flushed.py files)
-    (tmp_path / "rank0.slot0.json").write_text(json.dumps(dict(bad, nbytes=1)))
+    (tmp_path / "rank0.slot0.json").write_text(sealed(dict(bad, nbytes=1)))
     (tmp_path / "rank0.slot0.bin").write_bytes(b"x")
     from reft_ext.load.flushed import flushed_manifests
 
-    assert mismatch(flushed_manifests(str(tmp_path), 0).values(), mine).startswith(
+    assert mismatch(flushed_manifests(str(tmp_path), 0), mine).startswith(
         "iteration 4")

@@ -85,7 +85,8 @@ def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
     demo = subprocess.run(
         [sys.executable, "tools/demo.py", "--run-dir", str(tmp_path / "demo"),
-         "--nproc", "4", "--compare", str(ref_log), "--", *TINY, *N, *LAYOUTS[layout],
+         "--nproc", "4", "--compare", str(ref_log), "--compare-checkpoint", ref.checkpoint,
+         "--", *TINY, *N, *LAYOUTS[layout],
          *reft("arc,aor"), "--inject-fault", "1:3,2:5:KILL:node:1"],
         cwd=REPO, capture_output=True, text=True, timeout=400, env={**env, ev.ENV: events})
     out = demo.stdout
@@ -107,6 +108,8 @@ def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
             in run.output)
     assert "recoveries: 1 from own memory, 1 from ARC replica + AOR replica;" in run.output
     assert "bit-identical to the failure-free run" in out
+    assert "- final checkpoint identical to the failure-free run's, item by item" in out
+    run.checkpoint = str(tmp_path / "demo" / "checkpoints")
     same_as_reference(run, ref, 5)
 
 

@@ -14,7 +14,7 @@ from reft_ext.cluster import status
 from reft_ext.cluster import watcher
 from reft_ext.load.flushed import import_flushed
 from reft_ext.store.paths import node_dir
-from reft_ext.store.slots import SnapshotStore
+from reft_ext.store.slots import SnapshotStore, sealed
 
 from tools.launch_nodes import LaunchConfig, LaunchError
 from tools.reft_status import main as status_main, table
@@ -53,7 +53,7 @@ def _fake_slot(node_dir, rank, slot, iteration, payload: bytes, nbytes=None):
         f.write(payload)
     man = {"iteration": iteration, "rank": rank, "nbytes": nbytes or len(payload)}
     with open(os.path.join(node_dir, f"rank{rank}.slot{slot}.json"), "w") as f:
-        json.dump(man, f)
+        f.write(sealed(man))
 
 
 def test_flush_copies_complete_slots_only(tmp_path):
@@ -72,6 +72,8 @@ def test_import_flushed_only_when_newer_than_memory(tmp_path):
     store = SnapshotStore("job", 0, 3, base)
     store.reserve(128)
     _fake_slot(flush, 3, 1, 9, bytes(range(128)))
+    with open(os.path.join(flush, "rank3.committed"), "w") as f:  # as the watcher copies it
+        f.write(sealed({"slot": 1, "iteration": 9}))
     assert import_flushed(store, flush, 128) == 9
     assert store.manifests()[1]["iteration"] == 9 and store.committed()["slot"] == 1
     assert bytes(store.data(1, 128).numpy()) == bytes(range(128))
@@ -102,6 +104,20 @@ def test_watcher_flushes_when_a_worker_dies(tmp_path):
     rec = status.read(d, "w1", 0)
     assert rec["state"] == "UNHEALTHY" and "iterations [3]" in rec["detail"]
     assert os.path.exists(os.path.join(flush, "rank0.slot0.json"))
+
+
+def test_watcher_says_why_a_flush_fails(tmp_path):
+    """A flush directory that became unusable after the start-up check (here: a file
+    took its place): one line and the node's status say so, no traceback."""
+    flush = tmp_path / "flush"
+    d, worker = _spawned_watcher(tmp_path, "w4", str(flush / "sub"))
+    flush.write_text("")
+    worker.kill()
+    worker.wait()
+    _wait_gone(d, "w4")
+    rec = status.read(d, "w4", 0)
+    assert rec["state"] == "UNHEALTHY", rec
+    assert f"flush of the snapshots to --reft-flush-dir {flush}/sub failed" in rec["detail"]
 
 
 def test_watcher_does_nothing_after_a_normal_end(tmp_path):

@@ -1,12 +1,16 @@
 """Loss-spike rollback from host memory, end to end: real torchrun, a spike or a NaN
-injected into one rank's gradients, every rank rolls back in process and skips batches.
+injected into one rank's gradients or a NaN that a bad batch brings, every rank rolls
+back in process and skips batches, the spiking one always included.
 
 Each run must end bit-identical (state hash per rank, every loss) to a run without the
 fault that skipped the same global batches from the start (--skip-train-batches), and
 the skipped samples are the ones logged."""
 
+import math
+
 import pytest
 
+from tests.harness.compare import same_state
 from tests.harness.recovery import reft
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
@@ -20,19 +24,19 @@ def _rollback(e: dict) -> tuple:
 
 
 def _same(run, ref):
-    assert run.hashes and run.hashes == ref.hashes
-    assert sorted(run.losses) == list(range(1, 15))
-    assert run.losses == ref.losses
+    assert run.hashes and sorted(run.losses) == list(range(1, 15))
+    same_state(run, ref)
 
 
-def test_spike_then_nan_with_zero1_roll_back_and_skip(tmp_path):
+def test_spike_then_nan_with_zero1_roll_back_and_skip(tmp_path, reference_runs):
     """PP2xDP2, ZeRO-1, arc,aor: rank 1's gradients scaled by 1e4 at iteration 10 (a grad
     norm spike) -> back to 8, skip 2 batches; then NaN in rank 2's gradients at 12 ->
     back to 10, skip 2. A checkpoint saved at 9 is from inside the first spike: it is
     replaced by the rolled-back state before anything else happens."""
     layout = LAYOUTS["pp2dp2-zero1"]
     save = str(tmp_path / "ckpt")
-    ref = torchrun(4, TINY + ITERS + layout + ["--skip-train-batches", "9:2,11:2"]).check()
+    ref = reference_runs("pp2dp2-zero1-skip9x2-11x2", 4,  # shared with test_bad_batches
+                         TINY + ITERS + layout + ["--skip-train-batches", "9:2,11:2"])
     assert "skipping 2 global batch(es) before iteration 9: samples 64-79" in ref.output
     assert "skipping 2 global batch(es) before iteration 11: samples 96-111" in ref.output
     run = torchrun(4, TINY + ITERS + layout + reft("arc,aor") + [
@@ -62,15 +66,41 @@ def test_spike_then_nan_with_zero1_roll_back_and_skip(tmp_path):
     pytest.param("host-thread", marks=pytest.mark.slow)])
 def test_nan_on_one_rank_tp2pp2_rolls_back(schedule, reference_runs):
     """TP2xPP2 (no data parallelism: --reft-protect none, each rank's own snapshot): NaN
-    in rank 3's gradients only; all four ranks agree, roll back and skip one batch. Every
-    snapshot schedule has committed the same ring by the time the NaN is seen."""
+    in rank 3's gradients only; all four ranks agree, roll back to 8 and skip the batches
+    of 9 and 10 (the spiking one included). Every snapshot schedule has committed the same
+    ring by the time the NaN is seen."""
     args = TINY + ITERS + LAYOUTS["tp2pp2"]
-    ref = reference_runs("tp2pp2-skip9", 4, args + ["--skip-train-batches", "9:1"])
+    ref = reference_runs("tp2pp2-skip9x2", 4, args + ["--skip-train-batches", "9:2"])
     run = torchrun(4, args + reft("none") + ["--reft-schedule", schedule,
                                              "--inject-spike", "3:10:nan"]).check()
     assert "[FAULT] spike: rank 3's gradients made NaN before the optimizer step of " \
            "iteration 10" in run.output
     nan = run.events.one("rollback")
     assert nan["reason"] == "non-finite grad norm (nan)" and \
-        _rollback(nan)[:4] == (10, 8, 1, [64, 71]), nan
+        _rollback(nan)[:4] == (10, 8, 2, [64, 79]), nan
+    _same(run, ref)
+
+
+def test_bad_batches_are_skipped_not_trained_on_again(reference_runs):
+    """No injection: samples 75 and 108 are corrupt (NaN in their loss masks,
+    --poison-train-samples), so whichever iteration reads one gets a NaN loss, however
+    often. Iteration 10 reads samples 72-79: NaN, back to 8, and the default skip takes the
+    batches of 9 and 10 (64-79), the bad one included; iteration 12 then reads 104-111:
+    NaN, back to 10, batches of 11 and 12 skipped (96-111). Neither bad batch is met again
+    (two rollbacks, every loss finite), and the run ends bit-identical to the spike test's
+    reference, which skipped the same batches from the start and never read the bad ones."""
+    layout = LAYOUTS["pp2dp2-zero1"]
+    ref = reference_runs("pp2dp2-zero1-skip9x2-11x2", 4,
+                         TINY + ITERS + layout + ["--skip-train-batches", "9:2,11:2"])
+    run = torchrun(4, TINY + ITERS + layout + reft("arc,aor") +
+                   ["--poison-train-samples", "75-75,108-108"]).check()
+    assert "[FAULT]" not in run.output
+    first, second = run.events_of("rollback")  # each bad batch met once
+    assert first["reason"] == second["reason"] == "non-finite loss (nan)", (first, second)
+    assert _rollback(first)[:5] == (10, 8, 2, [64, 79], 1), first
+    assert _rollback(second)[:5] == (12, 10, 2, [96, 111], 2), second
+    assert (first["iterations"], second["iterations"]) == ([9, 10], [11, 12])
+    assert "skipped 2 global batch(es) (iterations 9-10's, through the spiking one): " \
+           "samples 64-79; rollback 1 of at most 3" in run.output
+    assert all(math.isfinite(float.fromhex(v)) for v in run.losses.values())
     _same(run, ref)

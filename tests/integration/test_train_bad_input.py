@@ -52,6 +52,15 @@ BAD = [
     (["--reft-spike-window", "1"], 1, "--reft-spike-window"),
     (["--micro-batch-size", "0"], 1, "--micro-batch-size"),
     (["--train-iters", "5", "--lr-warmup-iters", "5"], 1, "--lr-warmup-iters"),
+    # protection without snapshots (the default --reft-snapshot-every 0: REFT off)
+    (["--reft-protect", "arc"], 2, "--reft-protect"),
+    (["--reft-protect", "aec", "--reft-snapshot-every", "0"], 2, "--reft-protect"),
+    # directories that cannot be created (/dev/null is not a directory)
+    (["--save", "/dev/null/ckpt"], 1, "--save"),
+    (["--reft-snapshot-every", "1", "--reft-flush-dir", "/dev/null/flush"], 1,
+     "--reft-flush-dir"),
+    (["--data-path", "/nonexistent/corpus_text_document"], 1, "--data-path"),
+    (["--data-path", "0.5", "/nonexistent/a", "0.5", "/nonexistent/b"], 1, "--data-path"),
 ]
 
 
@@ -78,6 +87,41 @@ def test_valid_layouts_accepted():
 def _main(args, **kw):
     return subprocess.run([sys.executable, os.path.join(REPO, "pretrain_llama.py"), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=180, **kw)
+
+
+def test_unwritable_directories_fail_at_start_and_leave_nothing(tmp_path):
+    """--reft-flush-dir is written only when a worker dies: one that cannot be created
+    (/proc takes no directory, even from root) fails before any work, not in the
+    watcher's flush; a --save that can be made is probed and left as it was."""
+    out = _main(TINY + ["--train-iters", "3", "--reft-snapshot-every", "1",
+                        "--reft-flush-dir", "/proc/reft-test/flush"])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: --reft-flush-dir: cannot create /proc/reft-test/flush (No such file or "
+        "directory in /proc); point it at a directory this user can create and write "
+        "(default <--save>/reft-flush), or give --reft-flush-dir none to turn "
+        "save-on-failure off"], out.stderr[-2000:]
+    (tmp_path / "file").write_text("")
+    out = _main(TINY + ["--train-iters", "3", "--save", str(tmp_path / "file" / "ckpt")])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: --save: cannot create {tmp_path}/file/ckpt: {tmp_path}/file is not a "
+        f"directory; point it at a directory this user can create and write (checkpoints "
+        f"are written there)"]
+    parse_args(["--save", str(tmp_path / "new" / "ckpt"), "--reft-snapshot-every", "1"])
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # the probes left nothing
+
+
+def test_missing_data_path_is_one_line():
+    # (megatron-core's import warnings aside: the data module is imported to check it)
+    out = _main(["--train-iters", "2", "--data-path", "/nonexistent/corpus_text_document"],
+                env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: --data-path: dataset prefix /nonexistent/corpus_text_document: no "
+        "/nonexistent/corpus_text_document.bin and no /nonexistent/corpus_text_document.idx; "
+        "give PREFIX of existing PREFIX.bin and PREFIX.idx (tools/preprocess_data.py writes "
+        "them) or --mock-data"], out.stderr[-2000:]
 
 
 def test_cli_prints_one_line_and_exits_2():
@@ -132,7 +176,10 @@ def test_load_corrupt_checkpoint_fails_clearly_and_touches_nothing(small_checkpo
     before = _digest(root)
     out = _main(TINY + ["--train-iters", "4", "--load", root, "--save", root])
     assert out.returncode == 3, out.stderr[-2000:]
-    assert f"error: --load {root}: cannot read checkpoint" in out.stderr
+    # its checksums refuse it before any read (the only checkpoint there: nothing older)
+    assert f"error: --load {root}: no checkpoint there verifies (refused: " \
+        f"{root}/iter_0000003)" in out.stderr, out.stderr[-2000:]
+    assert f"{path}: " in out.stdout + out.stderr  # the refusal names the torn file
     assert _digest(root) == before  # nothing written, nothing deleted
 
 
@@ -141,3 +188,52 @@ def test_load_with_other_layout_names_the_flag(small_checkpoint):
                                               "--load", small_checkpoint])
     assert out.returncode == 3
     assert "saved with --num-layers 4, this run has 2" in out.stderr
+
+
+def _job_shm(job):
+    """Every /dev/shm entry of --reft-job-id ``job``, with the files of its directories."""
+    out = {}
+    for name in sorted(os.listdir("/dev/shm")):
+        if name.startswith(f"reft-{job}-"):
+            p = os.path.join("/dev/shm", name)
+            out[name] = sorted(os.listdir(p)) if os.path.isdir(p) else None
+    return out
+
+
+def test_refused_start_leaves_no_shared_memory(small_checkpoint):
+    """A start that validation refuses after REFT opened its session (the placement
+    check, a checkpoint of another TP) leaves no /dev/shm entry of its job; a refused
+    restart keeps the snapshots that were there before it."""
+    import shutil
+    import uuid
+
+    from tests.harness.run import LAYOUTS, torchrun
+
+    job = f"refused-{uuid.uuid4().hex[:8]}"
+    reft = ["--reft-snapshot-every", "1", "--reft-job-id", job]
+    other_tp = TINY + ["--train-iters", "4", "--tensor-model-parallel-size", "2",
+                       "--load", small_checkpoint] + reft
+    try:
+        # TP pairs in one failure domain (4 ranks, one node): arc has no other domain
+        placement = torchrun(4, TINY + ["--train-iters", "3"] + LAYOUTS["tp2dp2"] + reft +
+                             ["--reft-protect", "arc"])
+        assert placement.returncode != 0
+        assert "error: --reft-protect arc: sharding group (ranks [0, 2]) has two members " \
+            "in one failure domain" in placement.output, placement.output[-3000:]
+        assert _job_shm(job) == {}
+        refused = torchrun(2, other_tp)
+        assert refused.returncode != 0
+        assert "saved with --tensor-model-parallel-size 1, this run has 2" in refused.output
+        assert "iteration        1/" not in refused.output
+        assert _job_shm(job) == {}
+        torchrun(2, TINY + ["--train-iters", "3", "--global-batch-size", "4",
+                            "--reft-keep-snapshots"] + reft).check()
+        before = _job_shm(job)
+        assert any(f.endswith(".slot0.bin") for f in before[f"reft-{job}-node0"]), before
+        again = torchrun(2, other_tp)  # refused (another layout's snapshots, or the TP)
+        assert again.returncode != 0 and "iteration        1/" not in again.output
+        assert _job_shm(job) == before
+    finally:
+        for name in _job_shm(job):
+            p = os.path.join("/dev/shm", name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)

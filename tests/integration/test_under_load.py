@@ -25,6 +25,7 @@ import pytest
 
 from tests.harness import events as ev
 from tests.harness import scenarios
+from reft_ext.cluster import heartbeat
 from reft_ext.cluster import status
 from reft_ext.cluster import watcher
 from reft_ext.store.paths import node_dir
@@ -146,12 +147,12 @@ def test_starved_rank_is_not_hung_a_spinning_one_is(cpu_hog, tmp_path):
         os.makedirs(x)
     busy, spin = _rank(dirs[0], 0, False, phase_s=4 * T), _rank(dirs[1], 1, True)
     try:
-        t0 = time.time()
+        last_beat = heartbeat.read(heartbeat.path(dirs[1], 1))["t"]  # time.monotonic()
         with scenarios.events_env(tmp_path) as events:
             watcher.spawn(d, job, 0, [busy.pid], "", ranks=[0], hang_timeout=T)
             watcher.spawn(d, job, 1, [spin.pid], "", ranks=[1], hang_timeout=T)
         assert spin.wait(timeout=60) == -signal.SIGKILL
-        took = time.time() - t0
+        silent_until_killed = time.monotonic() - last_beat
         out, _ = busy.communicate(timeout=120)
         # finished, not SIGKILLed
         assert busy.returncode == 0, (busy.returncode, ev.load(events))
@@ -161,13 +162,14 @@ def test_starved_rank_is_not_hung_a_spinning_one_is(cpu_hog, tmp_path):
             p.wait()
     wall, cpu = map(float, re.search(r"phase ([0-9.]+) s, ([0-9.]+) s of CPU", out).groups())
     assert wall >= 4 * T and cpu < T / 2, f"{out}: the host was not busy, nothing shown"
-    assert took >= T, took
+    assert silent_until_killed >= T, silent_until_killed  # not killed before its limit
     assert status.wait_watchers(d, job, 20)
     hang = ev.load(events).one("hang")  # rank 1's, not rank 0's
     assert (hang["rank"], hang["pid"], hang["node"], hang["state"], hang["iteration"]) == \
         (1, spin.pid, 1, "computing", 7), hang
     # the time it waited for a CPU was said (the line says it from 0.05 s) and not counted
     starved, silent = hang["starved_s"], hang["silent_s"]
-    assert starved >= 0.05 and T - 0.15 <= silent - starved < T + 1.5, hang  # each to 0.1 s
+    # (judged at its limit, the wait discounted: not before; how soon after is scheduling)
+    assert starved >= 0.05 and silent - starved >= T - 0.15, hang  # each to 0.1 s
     # rank 0's watcher judged it to the end: its worker died (exited), no hang
     assert status.read(d, job, 0)["detail"].startswith(f"worker(s) [{busy.pid}] died")

@@ -11,14 +11,7 @@ from tools import draw_architecture as arch
 # is a dependency still to be removed. A new one fails test_imports_follow_the_flow; one
 # that is gone must leave this list too (test_known_exceptions_still_exist), so it only
 # shrinks.
-KNOWN_AGAINST_FLOW = {
-    # the shrink note a leaving node writes and REFT-load reads is written with the reader's code
-    ("reft_ext.cluster.shrink", "reft_ext.load.reshard"),
-    # the run check reads the flushed tier's manifests
-    ("reft_ext.state.identity", "reft_ext.load.flushed"),
-    # the store prints its lines through the snapshotter's print
-    ("reft_ext.store.slots", "reft_ext.save.snapshotter"),
-}
+KNOWN_AGAINST_FLOW: set[tuple[str, str]] = set()
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +80,28 @@ def test_docs_name_existing_files(name):
     missing = sorted({p for p in PATH.findall(text) if not (arch.ROOT / p.rstrip("/")).exists()
                       and "*" not in p and "<" not in p})
     assert not missing, f"{name} names files that do not exist: {missing}"
+
+
+def test_no_import_cycles_among_trainer_and_tools_modules():
+    """No module of megatron/training/ or tools/ imports, directly or through others of
+    them, a module that imports it (an import inside a function counts too: the cycle is
+    there the moment both run, and a script run as __main__ is imported a second time)."""
+    modules = {arch.module_name(p): p for top in ("megatron/training", "tools")
+               for p in sorted((arch.ROOT / top).glob("*.py"))}
+    imports = {m: {i.target for i in arch._imports_of(p) if i.target in modules} - {m}
+               for m, p in modules.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m == goal:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo.extend(imports[m])
+        return False
+
+    cycles = sorted(f"{a} imports {b}, which leads back to it"
+                    for a in modules for b in imports[a] if reaches(b, a))
+    assert not cycles, "; ".join(cycles)

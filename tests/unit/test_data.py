@@ -224,6 +224,28 @@ def test_mock_data_with_null_tokenizer():
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+def test_poisoned_samples_follow_the_sample_not_the_position():
+    """--poison-train-samples: the poisoned sample's loss mask is NaN whenever it is read
+    (from the start, or resumed at its batch), every other sample is untouched."""
+    args = make_args(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=500)
+    tok = build_tokenizer(args)
+    clean = take(build_train_valid_test_data_iterators(args, tok, 0, 0)[0], 8)
+    args.poison_train_samples = "10-10"  # global batch 1 (samples 8-15), micro-batch 1
+    for consumed in (0, 8):
+        got = take(build_train_valid_test_data_iterators(args, tok, consumed, 0)[0], 2)
+        want = clean[consumed // 2:consumed // 2 + 2]
+        for i, (a, b) in enumerate(zip(got, want)):
+            sample = consumed + 2 * i  # the micro-batch's first sample
+            assert torch.equal(a["tokens"], b["tokens"])
+            poisoned = [sample + j == 10 for j in range(2)]
+            assert [bool(torch.isnan(m).all()) for m in a["loss_mask"]] == poisoned
+            assert torch.equal(a["loss_mask"][[not p for p in poisoned]],
+                               b["loss_mask"][[not p for p in poisoned]])
+    assert data_mod.parse_sample_ranges("3-3,10-12") == [(3, 3), (10, 12)]
+    with pytest.raises(ValueError, match="FIRST-LAST"):
+        data_mod.parse_sample_ranges("10-12,12-10")
+
+
 def test_empty_split_is_an_error(tmp_path):
     write_jsonl(tmp_path / "few.jsonl", ["some text " * 20] * 5)
     prefix = ensure_preprocessed(str(tmp_path / "few.jsonl"))

@@ -1,6 +1,7 @@
 """``--inject-fault RANK:ITER[:SIGNAL[:MODE[:ATTEMPT]]][@PHASE]``: the grammar, its errors,
-which phases a run can reach, and the one fault observer (megatron/training/
-fault_injection.py) behind reft_ext.testing.fault_point: which specs fire, once."""
+which phases a run can reach (reft_ext/testing/fault_specs.py), and the one fault observer
+(reft_ext/testing/fault_observer.py) behind reft_ext.testing.fault_point: which specs
+fire, once."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.training import fault_injection as fi
-from megatron.training.errors import ArgumentError
+from reft_ext.testing import fault_observer as fo
 from reft_ext.testing import fault_point, get_fault_observer, set_fault_observer
+from reft_ext.testing import fault_specs as fs
+from reft_ext.testing.fault_specs import FaultSpecError
 
 
 @pytest.fixture(autouse=True)
@@ -30,48 +32,46 @@ def no_observer(monkeypatch):
 def kills(monkeypatch):
     """The signals the observer sends (recorded, not sent) and its [FAULT] lines."""
     sent, lines = [], []
-    monkeypatch.setattr(fi.os, "kill", lambda pid, sig: sent.append(sig))
-    monkeypatch.setattr(fi.time, "sleep", lambda s: None)
-    import megatron.training.utils as utils
-
-    monkeypatch.setattr(utils, "emit", lambda msg, *a, **k: lines.append(msg))
+    monkeypatch.setattr(fo.os, "kill", lambda pid, sig: sent.append(sig))
+    monkeypatch.setattr(fo.time, "sleep", lambda s: None)
+    monkeypatch.setattr(fo, "emit", lambda msg, *a, **k: lines.append(msg))
     return SimpleNamespace(sent=sent, lines=lines)
 
 
 # ---- grammar ----------------------------------------------------------------------------
 @pytest.mark.parametrize("text,want", [
-    ("1:3", fi.FaultSpec(1, 3)),
-    ("1:3:TERM", fi.FaultSpec(1, 3, signal.SIGTERM)),
-    ("1:3:SIGSTOP", fi.FaultSpec(1, 3, signal.SIGSTOP)),
-    ("1:3:9", fi.FaultSpec(1, 3, signal.SIGKILL)),
-    ("2:5:KILL:node:1", fi.FaultSpec(2, 5, signal.SIGKILL, "node", 1)),
-    ("1:5::corrupt-manifest", fi.FaultSpec(1, 5, signal.SIGKILL, "corrupt-manifest")),
-    ("1:3@backward", fi.FaultSpec(1, 3, phase="backward")),
-    ("0:4:STOP::1@send", fi.FaultSpec(0, 4, signal.SIGSTOP, "", 1, "send")),
-    ("3:2:KILL:node@commit", fi.FaultSpec(3, 2, signal.SIGKILL, "node", phase="commit")),
-    ("1:6:CONT:shm-full", fi.FaultSpec(1, 6, signal.SIGCONT, "shm-full")),
-    ("0:0:::1@health", fi.FaultSpec(0, 0, attempt=1, phase="health")),
-    ("1:3@step", fi.FaultSpec(1, 3)),
+    ("1:3", fs.FaultSpec(1, 3)),
+    ("1:3:TERM", fs.FaultSpec(1, 3, signal.SIGTERM)),
+    ("1:3:SIGSTOP", fs.FaultSpec(1, 3, signal.SIGSTOP)),
+    ("1:3:9", fs.FaultSpec(1, 3, signal.SIGKILL)),
+    ("2:5:KILL:node:1", fs.FaultSpec(2, 5, signal.SIGKILL, "node", 1)),
+    ("1:5::corrupt-manifest", fs.FaultSpec(1, 5, signal.SIGKILL, "corrupt-manifest")),
+    ("1:3@backward", fs.FaultSpec(1, 3, phase="backward")),
+    ("0:4:STOP::1@send", fs.FaultSpec(0, 4, signal.SIGSTOP, "", 1, "send")),
+    ("3:2:KILL:node@commit", fs.FaultSpec(3, 2, signal.SIGKILL, "node", phase="commit")),
+    ("1:6:CONT:shm-full", fs.FaultSpec(1, 6, signal.SIGCONT, "shm-full")),
+    ("0:0:::1@health", fs.FaultSpec(0, 0, attempt=1, phase="health")),
+    ("1:3@step", fs.FaultSpec(1, 3)),
 ])
 def test_grammar(text, want):
-    got = fi.parse_fault_spec(text, world_size=4)
+    got = fs.parse_fault_spec(text, world_size=4)
     assert got == want
-    assert fi.parse_fault_spec(fi.format_fault_spec(got)) == got  # round trip
-    assert str(got) == fi.format_fault_spec(got)
+    assert fs.parse_fault_spec(fs.format_fault_spec(got)) == got  # round trip
+    assert str(got) == fs.format_fault_spec(got)
 
 
 def test_mode_snapshot_is_phase_snapshot_write():
-    old = fi.parse_fault_spec("2:5:KILL:snapshot")
-    assert old == fi.parse_fault_spec("2:5@snapshot-write") == \
-        fi.parse_fault_spec("2:5::snapshot@snapshot-write")
+    old = fs.parse_fault_spec("2:5:KILL:snapshot")
+    assert old == fs.parse_fault_spec("2:5@snapshot-write") == \
+        fs.parse_fault_spec("2:5::snapshot@snapshot-write")
     assert (old.phase, old.mode) == ("snapshot-write", "")
 
 
 def test_several_specs_and_every_phase_parses():
-    specs = fi.parse_fault_specs(",".join(f"1:3@{p}" for p in fi.PHASES) + ",", 2)
-    assert [s.phase for s in specs] == list(fi.PHASES)
-    assert set(fi.TRAINER_PHASES) | set(fi.LIBRARY_PHASES) == set(fi.PHASES)
-    assert fi.DEFAULT_PHASE == "step" and "step" in fi.TRAINER_PHASES
+    specs = fs.parse_fault_specs(",".join(f"1:3@{p}" for p in fs.PHASES) + ",", 2)
+    assert [s.phase for s in specs] == list(fs.PHASES)
+    assert set(fs.TRAINER_PHASES) | set(fs.LIBRARY_PHASES) == set(fs.PHASES)
+    assert fs.DEFAULT_PHASE == "step" and "step" in fs.TRAINER_PHASES
 
 
 @pytest.mark.parametrize("text,match", [
@@ -91,8 +91,8 @@ def test_several_specs_and_every_phase_parses():
     ("1:-1@health", "RANK and ITER must be integers|iteration must be >= 0"),
 ])
 def test_errors_name_the_flag(text, match):
-    with pytest.raises(ArgumentError, match=match) as exc:
-        fi.parse_fault_spec(text, world_size=4)
+    with pytest.raises(FaultSpecError, match=match) as exc:
+        fs.parse_fault_spec(text, world_size=4)
     assert str(exc.value).startswith("--inject-fault: ")
 
 
@@ -120,39 +120,53 @@ def _args(**kw):
     ("aor", _args(reft_protect="arc"), r"phase aor needs AOR \(--reft-protect"),
 ])
 def test_unreachable_phases_are_refused(phase, args, match):
-    with pytest.raises(ArgumentError, match=f"^--inject-fault: 1:3:SIGKILL::0@{phase}: {match}"):
-        fi.check_fault_phases([fi.parse_fault_spec(f"1:3@{phase}")], args)
+    with pytest.raises(FaultSpecError, match=f"^--inject-fault: 1:3:SIGKILL::0@{phase}: {match}"):
+        fs.check_fault_phases([fs.parse_fault_spec(f"1:3@{phase}")], args)
 
 
 def test_reachable_phases_pass():
-    specs = fi.parse_fault_specs(",".join(f"1:3@{p}" for p in fi.PHASES if p != "flush"))
-    fi.check_fault_phases(specs, _args(async_save=True))
-    fi.check_fault_phases(fi.parse_fault_specs("1:3@forward,1:3@backward,1:3"),
+    specs = fs.parse_fault_specs(",".join(f"1:3@{p}" for p in fs.PHASES if p != "flush"))
+    fs.check_fault_phases(specs, _args(async_save=True))
+    fs.check_fault_phases(fs.parse_fault_specs("1:3@forward,1:3@backward,1:3"),
                           _args(pipeline_model_parallel_size=1, save=None,
                                 reft_snapshot_every=0))
 
 
 def test_health_phase_needs_the_health_check():
     off = _args(reft_snapshot_every=0)
-    with pytest.raises(ArgumentError, match="phase health needs the start-up health check"):
-        fi.check_fault_phases([fi.parse_fault_spec("0:0@health")], off)
-    fi.check_fault_phases([fi.parse_fault_spec("0:0@health")],
+    with pytest.raises(FaultSpecError, match="phase health needs the start-up health check"):
+        fs.check_fault_phases([fs.parse_fault_spec("0:0@health")], off)
+    fs.check_fault_phases([fs.parse_fault_spec("0:0@health")],
                           SimpleNamespace(**{**vars(off), "reft_snapshot_every": 1}))
 
 
 # ---- the observer -----------------------------------------------------------------------
+def test_the_trainer_installs_from_its_flags():
+    """megatron/training/fault_injection.py, the trainer's one seam: parse the flag, put
+    the observer behind fault_point on a rank it names."""
+    from megatron.training import fault_injection
+
+    assert fault_injection.install_from_args(SimpleNamespace(inject_fault=None), 1) == []
+    assert fault_injection.install_from_args(SimpleNamespace(inject_fault="0:3"), 1) == \
+        [fs.FaultSpec(0, 3)]
+    assert get_fault_observer() is None  # not this rank's
+    specs = fault_injection.install_from_args(SimpleNamespace(inject_fault="1:3@forward"), 1)
+    assert specs == [fs.FaultSpec(1, 3, phase="forward")]
+    assert fo.observer() is get_fault_observer() and fo.wants("forward")
+
+
 def test_no_observer_without_a_fault_of_this_rank():
-    assert fi.install(fi.parse_fault_specs("1:3,2:4@forward"), rank=0) is None
-    assert get_fault_observer() is None and fi.observer() is None
-    assert not fi.wants("forward")
+    assert fo.install(fs.parse_fault_specs("1:3,2:4@forward"), rank=0) is None
+    assert get_fault_observer() is None and fo.observer() is None
+    assert not fo.wants("forward")
     fault_point("forward", iteration=4)  # no observer: nothing at all
 
 
 def test_fires_matching_specs_once(kills):
-    obs = fi.install(fi.parse_fault_specs("1:3:CONT@backward,1:3:TERM@forward,0:3@backward,"
+    obs = fo.install(fs.parse_fault_specs("1:3:CONT@backward,1:3:TERM@forward,0:3@backward,"
                                           "1:4:CONT@backward,1:3:CONT::1@backward"), rank=1)
-    assert fi.observer() is obs and get_fault_observer() is obs
-    assert fi.wants("backward") and fi.wants("forward") and not fi.wants("send")
+    assert fo.observer() is obs and get_fault_observer() is obs
+    assert fo.wants("backward") and fo.wants("forward") and not fo.wants("send")
     fault_point("backward", iteration=2)
     fault_point("send", iteration=3)
     assert kills.sent == []
@@ -164,20 +178,20 @@ def test_fires_matching_specs_once(kills):
     fault_point("forward", iteration=3)
     fault_point("backward", iteration=4)
     assert kills.sent == [signal.SIGCONT, signal.SIGTERM, signal.SIGCONT]
-    assert fi.wants("backward", att=1) and not fi.wants("backward")
+    assert fo.wants("backward", att=1) and not fo.wants("backward")
 
 
 def test_attempt_picks_the_restart(kills, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    fi.install(fi.parse_fault_specs("0:5:CONT,0:5:TERM::1"), rank=0)
+    fo.install(fs.parse_fault_specs("0:5:CONT,0:5:TERM::1"), rank=0)
     fault_point("step", iteration=5)
     assert kills.sent == [signal.SIGTERM]
     monkeypatch.setenv("REFT_NODE_GENERATION", "1")  # a replacement node: attempt 2
-    fi.install(fi.parse_fault_specs("0:5:TERM::1"), rank=0)
+    fo.install(fs.parse_fault_specs("0:5:TERM::1"), rank=0)
     fault_point("step", iteration=5)
     assert kills.sent == [signal.SIGTERM]
     # the health check passes the job-wide attempt
-    fi.install(fi.parse_fault_specs("0:0:CONT::3@health"), rank=0)
+    fo.install(fs.parse_fault_specs("0:0:CONT::3@health"), rank=0)
     fault_point("health", iteration=0)
     fault_point("health", iteration=0, attempt=3)
     assert kills.sent == [signal.SIGTERM, signal.SIGCONT]
@@ -185,20 +199,20 @@ def test_attempt_picks_the_restart(kills, monkeypatch):
 
 
 def test_snapshot_mode_and_maybe_inject_fault(kills):
-    specs = fi.parse_fault_specs("1:5:KILL:snapshot,1:6")
-    fi.maybe_inject_fault(specs, 1, 5)  # installs on first use; the step moment
+    specs = fs.parse_fault_specs("1:5:KILL:snapshot,1:6")
+    fo.maybe_inject_fault(specs, 1, 5)  # installs on first use; the step moment
     assert kills.sent == []
     fault_point("snapshot-write", iteration=5)
     assert kills.sent == [signal.SIGKILL]
     assert kills.lines[-1].endswith("at iteration 5, phase snapshot-write (during its "
                                     "snapshot write)")
-    fi.maybe_inject_fault(specs, 1, 6)
+    fo.maybe_inject_fault(specs, 1, 6)
     assert kills.sent == [signal.SIGKILL] * 2
     assert kills.lines[-1].endswith("at iteration 6, phase step")
 
 
 def test_reft_damage_is_delegated(kills):
-    obs = fi.install(fi.parse_fault_specs("2:5:KILL:node,2:6:CONT:corrupt-replica@aor"), 2)
+    obs = fo.install(fs.parse_fault_specs("2:5:KILL:node,2:6:CONT:corrupt-replica@aor"), 2)
     calls = []
     fault_point("step", iteration=5)  # REFT off: no delegate, the kill alone
     assert kills.sent == [signal.SIGKILL] and kills.lines[-1].endswith(" (node loss)")
@@ -213,7 +227,7 @@ def test_reft_damage_is_delegated(kills):
 def test_shm_full_fails_the_next_reservation(kills, tmp_path):
     from reft_ext.store.shm import ShmSegment, ShmSpaceError
 
-    obs = fi.install(fi.parse_fault_specs("0:4:KILL:shm-full"), rank=0)
+    obs = fo.install(fs.parse_fault_specs("0:4:KILL:shm-full"), rank=0)
     seg = ShmSegment.create("t", "a.bin", 4096, base_dir=str(tmp_path))  # not armed yet
     fault_point("step", iteration=4)
     assert kills.sent == []  # no signal: the full tmpfs is the fault
@@ -239,7 +253,7 @@ def test_phase_timers_reach_the_fault_points(kills):
     assert fault_phases("backward-send") == ("send",)
     assert fault_phases("backward-send-forward-recv") == ("send", "recv")
     assert fault_phases("forward-backward") == ()
-    fi.install(fi.parse_fault_specs("0:2:CONT@recv,0:2:TERM@backward"), rank=0)
+    fo.install(fs.parse_fault_specs("0:2:CONT@recv,0:2:TERM@backward"), rank=0)
     timers = PhaseTimers(None)  # the seam alone, no events
     timers("backward-compute").start()  # evaluation / before the trainer set one: nothing
     timers.iteration = 1
@@ -313,7 +327,7 @@ def test_background_reservation_fails_at_the_first_use(kills, tmp_path):
                for f in files)
     store.close()
 
-    obs = fi.install(fi.parse_fault_specs("1:4:KILL:shm-full"), rank=1)
+    obs = fo.install(fs.parse_fault_specs("1:4:KILL:shm-full"), rank=1)
     fault_point("step", iteration=4)  # armed: the next reservation fails
     assert obs.shm_full
     full = SnapshotStore("bg", 0, 1, str(tmp_path))

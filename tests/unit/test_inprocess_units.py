@@ -17,7 +17,9 @@ from tools.launch_nodes import LaunchConfig, LaunchError
 
 # rank 1 waits in an all_reduce for rank 0, which never comes; rank 1's own thread then
 # shuts its peer connections down (what its abort watcher does) and the wait must end
-# with a gloo error that is_failure() recognizes, long before gloo's 60 s timeout
+# with a gloo error that is_failure() recognizes. Nothing else can end it: rank 0 stays
+# alive (until the test kills it) and gloo's timeout is 10 minutes, far beyond the test's
+# wait
 _BLOCKED = textwrap.dedent("""
     import datetime, os, sys, threading, time
     import torch, torch.distributed as dist
@@ -26,20 +28,18 @@ _BLOCKED = textwrap.dedent("""
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=600))
     dist.barrier()
     if rank == 0:
-        time.sleep(20)
+        time.sleep(3600)  # alive and silent until the test kills it
         sys.exit(0)
     threading.Timer(1.0, lambda: print("closed", inprocess.shutdown_peer_sockets({port}),
                                        flush=True)).start()
-    t0 = time.time()
     try:
         dist.all_reduce(torch.ones(4))
         print("no error")
     except RuntimeError as exc:
-        print(f"woke after {time.time() - t0:.1f} s failure={inprocess.is_peer_error(exc)}",
-              flush=True)
+        print(f"woke failure={inprocess.is_peer_error(exc)}", flush=True)
     os._exit(0)
 """)
 
@@ -55,15 +55,15 @@ def test_shutting_the_connections_wakes_a_blocked_collective(tmp_path):
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in (0, 1)]
     try:
-        out = procs[1].communicate(timeout=45)[0]
+        out = procs[1].communicate(timeout=300)[0]  # a bound on the wait only
+        peer_alive = procs[0].poll() is None  # so its exit did not end the wait
     finally:
         for p in procs:
             p.kill()
             p.wait()
+    assert peer_alive, out
     assert "closed " in out and int(out.split("closed ")[1].split()[0]) >= 1, out
-    woke = [ln for ln in out.splitlines() if ln.startswith("woke after")]
-    assert woke, out
-    assert float(woke[0].split()[2]) < 15 and woke[0].endswith("failure=True"), out
+    assert "woke failure=True" in out.splitlines(), out
 
 
 _REBIND = textwrap.dedent("""
@@ -73,12 +73,12 @@ _REBIND = textwrap.dedent("""
     import torch
     from megatron.core import parallel_state as mpu
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.training import inprocess
+    from megatron.training import inprocess, inprocess_generation
 
     def init():
         torch.distributed.init_process_group("gloo")
         mpu.initialize_model_parallel()
-        inprocess.after_initialize()
+        inprocess_generation.after_initialize()
 
     class Holder:
         pass

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from reft_ext.config import ReftConfig, ReftConfigError
-from reft_ext.load.rollback import RollbackConfig, RollbackLimitError, SpikeDetector
+from reft_ext.load.rollback import (RollbackConfig, RollbackLimitError, SpikeDetector,
+                                    batches_to_skip)
 from reft_ext.store.slots import SnapshotStore
 
 
@@ -65,10 +66,34 @@ def test_rollback_bound_stops_a_loop_and_history_after_the_target_is_forgotten()
     (dict(spike_threshold=0), "--reft-spike-threshold"),
     (dict(spike_window=1), "--reft-spike-window"),
     (dict(rollback_limit=0), "--reft-rollback-limit"),
-    (dict(skip_batches=-1), "--reft-skip-batches")])
+    (dict(skip_batches=-1), "--reft-skip-batches"),
+    (dict(skip_batches=0), "--reft-skip-batches: must be >= 1 .a rollback always skips")])
 def test_bad_rollback_flags_name_the_flag(kw, flag):
     with pytest.raises(ReftConfigError, match=flag):
         RollbackConfig(**kw)
+
+
+def test_skip_goes_through_the_spiking_batch_whatever_the_ring_depth():
+    """Issue 29's case: 16 samples a batch, iteration i reads samples 16(i-1)..16i-1; a
+    NaN at 12 rolls back to 10 (a ring of 2): iterations 11 and 12's batches are skipped,
+    12's (176-191) included, not 11's alone."""
+    s = batches_to_skip(10, 12, restored_samples=160, spike_samples=192,
+                        global_batch_size=16, skip_batches=1)
+    assert (s.first, s.last, s.batches, s.after_spike) == (160, 191, 2, 0)
+    assert s.text() == ("skipped 2 global batch(es) (iterations 11-12's, through the "
+                        "spiking one): samples 160-191")
+    # a deeper ring (back to 8): 9..12, still through 12; a snapshot one behind: 12 alone
+    assert batches_to_skip(8, 12, 128, 192, 16, 1).batches == 4
+    one = batches_to_skip(11, 12, 176, 192, 16, 1)
+    assert (one.first, one.last) == (176, 191)
+    assert one.text() == "skipped 1 global batch(es) (iteration 12's): samples 176-191"
+    # --reft-skip-batches 5 from iteration 10's position: 2 batches through the spike, 3 after
+    far = batches_to_skip(10, 12, 160, 192, 16, 5)
+    assert (far.first, far.last, far.batches, far.after_spike) == (160, 239, 5, 3)
+    assert far.text().endswith("through the spiking one, and 3 after it): samples 160-239")
+    # a skip before the spike (--skip-train-batches, an earlier rollback's) is inside
+    # the range too: the data position is one counter
+    assert batches_to_skip(10, 12, 160, 224, 16, 1).last == 223
 
 
 def test_keep_below_two_is_rejected():

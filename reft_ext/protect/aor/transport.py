@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from reft_ext.protect.aor.replica import AORReplica, OwnerShard
 from reft_ext.report.events import emit
+from reft_ext.report.threads import join_or_warn
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 TAG_INIT, TAG_STEP = 0xA0F0, 0xA0F1
@@ -261,8 +262,8 @@ class AORTransport:
         self._send_work = None
         if self._thread is not None:
             self._q.put(None)
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
+            if not join_or_warn(self._thread, timeout_s, "the AOR replica thread",
+                                owner=self.owner_rank):
                 return False
             self._thread = None
         return True
