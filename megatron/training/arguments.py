@@ -165,6 +165,7 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None):
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     validate_args(args)
+    check_paths(args)
     return args
 
 
@@ -237,21 +238,12 @@ def validate_args(args):
         if part and not (len(bits) == 2 and all(b.isdigit() for b in bits) and int(bits[0]) >= 1):
             _fail("--skip-train-batches", f"expected ITER:N with ITER >= 1, got {part!r}")
     if args.poison_train_samples is not None:
-        from megatron.training.data import parse_sample_ranges
+        from megatron.training.poisoned_samples import parse_sample_ranges
 
         try:
             parse_sample_ranges(args.poison_train_samples)
         except ValueError as exc:
             _fail("--poison-train-samples", str(exc))
-    if args.data_path is not None and not args.mock_data:
-        from megatron.training.data import data_path_error
-
-        why = data_path_error(args.data_path, args.tokenizer_type)
-        if why:
-            _fail("--data-path", why)
-    if args.save:
-        _check_writable_dir("--save", args.save, "point it at a directory this user can "
-                            "create and write (checkpoints are written there)")
     _validate_reft(args)
     if args.inject_fault is not None:  # a phase this run never reaches would never fire
         try:
@@ -286,13 +278,32 @@ def _validate_reft(args):
         _fail("--reft-protect", f"{cfg.protect} protects snapshots, and --reft-snapshot-every "
               f"{cfg.snapshot_every} takes none (REFT off): add --reft-snapshot-every N "
               f"(N >= 1) or drop --reft-protect")
+    if rollback.rollback_on == "spike" and not cfg.enabled:
+        _fail("--reft-rollback-on", "spike rolls back to a snapshot in host memory: it "
+              "needs --reft-snapshot-every >= 1")
+
+
+def check_paths(args) -> None:
+    """The places a start reads and writes, checked on this machine before any work:
+    the data set exists, --save and the save-on-failure directory can be written.
+    Separate from :func:`validate_args`, which judges flags and layouts alone (a
+    script's dry run on a laptop, an elastic shrink's new layout)."""
+    from reft_ext.config import ReftConfig
+
+    if args.data_path is not None and not args.mock_data:
+        from megatron.training.data import data_path_error
+
+        why = data_path_error(args.data_path, args.tokenizer_type)
+        if why:
+            _fail("--data-path", why)
+    if args.save:
+        _check_writable_dir("--save", args.save, "point it at a directory this user can "
+                            "create and write (checkpoints are written there)")
+    cfg = ReftConfig.from_args(args)
     if cfg.enabled and cfg.flush_dir:  # save-on-failure writes there when it is needed
         _check_writable_dir("--reft-flush-dir", cfg.flush_dir, "point it at a directory "
                             "this user can create and write (default <--save>/reft-flush), "
                             "or give --reft-flush-dir none to turn save-on-failure off")
-    if rollback.rollback_on == "spike" and not cfg.enabled:
-        _fail("--reft-rollback-on", "spike rolls back to a snapshot in host memory: it "
-              "needs --reft-snapshot-every >= 1")
 
 
 def _check_writable_dir(flag: str, path: str, what: str) -> None:

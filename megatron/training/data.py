@@ -350,36 +350,6 @@ def _with(args, **overrides):
     return ns
 
 
-def parse_sample_ranges(text: str) -> List[Tuple[int, int]]:
-    """``FIRST-LAST[,...]`` (--poison-train-samples) as [(first, last), ...]."""
-    out = []
-    for part in text.split(","):
-        bits = part.split("-")
-        if len(bits) != 2 or not all(b.isdigit() for b in bits) or \
-                int(bits[0]) > int(bits[1]):
-            raise ValueError(f"expected FIRST-LAST[,...] with FIRST <= LAST, got {part!r}")
-        out.append((int(bits[0]), int(bits[1])))
-    return out
-
-
-class PoisonedSamples(torch.utils.data.Dataset):
-    """--poison-train-samples (tests): the training samples of ``ranges`` have NaN in
-    their loss mask, as a corrupt sample would: whichever iteration reads them, however
-    often, its loss and gradients are NaN. The sampler's ids are global sample ids."""
-
-    def __init__(self, dataset, ranges: List[Tuple[int, int]]):
-        self.dataset, self.ranges = dataset, ranges
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, idx: int):
-        item = self.dataset[idx]
-        if any(first <= idx <= last for first, last in self.ranges):
-            item = dict(item, loss_mask=torch.full_like(item["loss_mask"], float("nan")))
-        return item
-
-
 # --------------------------------------------------------------------------------------------
 # Loaders and iterators
 # --------------------------------------------------------------------------------------------
@@ -435,6 +405,8 @@ def build_train_valid_test_data_iterators(args, tokenizer, consumed_train_sample
 
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(args, tokenizer)
     if getattr(args, "poison_train_samples", None) and train_ds is not None:
+        from megatron.training.poisoned_samples import PoisonedSamples, parse_sample_ranges
+
         train_ds = PoisonedSamples(train_ds, parse_sample_ranges(args.poison_train_samples))
     dp = (data_parallel_rank, data_parallel_size)
     train_iter = (iter(build_pretraining_data_loader(train_ds, consumed_train_samples, args, *dp))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.harness.oracle import assert_same_checkpoint
 from tests.harness.run import ENV_PATH, REPO, RunResult, parse
 
 from tools.launch_nodes import free_port
@@ -220,8 +221,10 @@ def test_tiny_cpu_default_job(tmp_path):
 def nvidia_tiny(tmp_path_factory) -> Job:
     """The 7B script with the tiny model: the failure-free reference of the node-loss run."""
     tmp = tmp_path_factory.mktemp("nvidia")
-    return sbatch(NVIDIA, tmp, "--nodes=2", CKPT_DIR=str(tmp / "ckpt"),
-                  EXTRA_ARGS="--log-params-hash --log-loss-history", **TINY_OVERRIDES)
+    job = sbatch(NVIDIA, tmp, "--nodes=2", CKPT_DIR=str(tmp / "ckpt"),
+                 EXTRA_ARGS="--log-params-hash --log-loss-history", **TINY_OVERRIDES)
+    job.checkpoint = str(tmp / "ckpt")  # its final checkpoint: the oracle's reference
+    return job
 
 
 def test_nvidia_script_tiny_run(nvidia_tiny):
@@ -261,5 +264,7 @@ def test_frontier_script_node_loss_recovered_by_hot_spare(nvidia_tiny, tmp_path)
     assert not glob.glob(f"/dev/shm/reft-{job.job_id}-*")
     run, ref = job.run(), nvidia_tiny.run()
     assert ref.returncode == 0 and run.hashes == ref.hashes
+    run.checkpoint, ref.checkpoint = str(tmp_path / "ckpt"), nvidia_tiny.checkpoint
+    assert_same_checkpoint(run, ref)  # item by item, not REFT's list of tensors
     assert sorted(run.losses) == [4, 5, 6]  # the last rank's final attempt (the spare)
     assert all(run.losses[i] == ref.losses[i] for i in run.losses)

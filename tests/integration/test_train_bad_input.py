@@ -200,40 +200,56 @@ def _job_shm(job):
     return out
 
 
-def test_refused_start_leaves_no_shared_memory(small_checkpoint):
-    """A start that validation refuses after REFT opened its session (the placement
-    check, a checkpoint of another TP) leaves no /dev/shm entry of its job; a refused
-    restart keeps the snapshots that were there before it."""
+@pytest.fixture
+def shm_job():
+    """A --reft-job-id whose /dev/shm entries are removed afterwards, whatever happened."""
     import shutil
     import uuid
 
+    job = f"refused-{uuid.uuid4().hex[:8]}"
+    yield job
+    for name in _job_shm(job):
+        p = os.path.join("/dev/shm", name)
+        shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+
+
+def _other_tp(small_checkpoint, job):
+    return TINY + ["--train-iters", "4", "--tensor-model-parallel-size", "2",
+                   "--load", small_checkpoint, "--reft-snapshot-every", "1",
+                   "--reft-job-id", job]
+
+
+def test_refused_start_leaves_no_shared_memory(small_checkpoint, shm_job):
+    """A start that validation refuses after REFT opened its session (the placement
+    check, a checkpoint of another TP) leaves no /dev/shm entry of its job."""
     from tests.harness.run import LAYOUTS, torchrun
 
-    job = f"refused-{uuid.uuid4().hex[:8]}"
-    reft = ["--reft-snapshot-every", "1", "--reft-job-id", job]
-    other_tp = TINY + ["--train-iters", "4", "--tensor-model-parallel-size", "2",
-                       "--load", small_checkpoint] + reft
-    try:
-        # TP pairs in one failure domain (4 ranks, one node): arc has no other domain
-        placement = torchrun(4, TINY + ["--train-iters", "3"] + LAYOUTS["tp2dp2"] + reft +
-                             ["--reft-protect", "arc"])
-        assert placement.returncode != 0
-        assert "error: --reft-protect arc: sharding group (ranks [0, 2]) has two members " \
-            "in one failure domain" in placement.output, placement.output[-3000:]
-        assert _job_shm(job) == {}
-        refused = torchrun(2, other_tp)
-        assert refused.returncode != 0
-        assert "saved with --tensor-model-parallel-size 1, this run has 2" in refused.output
-        assert "iteration        1/" not in refused.output
-        assert _job_shm(job) == {}
-        torchrun(2, TINY + ["--train-iters", "3", "--global-batch-size", "4",
-                            "--reft-keep-snapshots"] + reft).check()
-        before = _job_shm(job)
-        assert any(f.endswith(".slot0.bin") for f in before[f"reft-{job}-node0"]), before
-        again = torchrun(2, other_tp)  # refused (another layout's snapshots, or the TP)
-        assert again.returncode != 0 and "iteration        1/" not in again.output
-        assert _job_shm(job) == before
-    finally:
-        for name in _job_shm(job):
-            p = os.path.join("/dev/shm", name)
-            shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+    reft = ["--reft-snapshot-every", "1", "--reft-job-id", shm_job]
+    # TP pairs in one failure domain (4 ranks, one node): arc has no other domain
+    placement = torchrun(4, TINY + ["--train-iters", "3"] + LAYOUTS["tp2dp2"] + reft +
+                         ["--reft-protect", "arc"])
+    assert placement.returncode != 0
+    assert "error: --reft-protect arc: sharding group (ranks [0, 2]) has two members " \
+        "in one failure domain" in placement.output, placement.output[-3000:]
+    assert _job_shm(shm_job) == {}
+    refused = torchrun(2, _other_tp(small_checkpoint, shm_job))
+    assert refused.returncode != 0
+    assert "saved with --tensor-model-parallel-size 1, this run has 2" in refused.output
+    assert "iteration        1/" not in refused.output
+    assert _job_shm(shm_job) == {}
+
+
+@pytest.mark.slow  # the release itself is in the default tier (above)
+def test_refused_restart_keeps_the_snapshots_there_before(small_checkpoint, shm_job):
+    """A refused restart releases only what it allocated: the snapshots of the run
+    before it stay for a corrected start to recover from."""
+    from tests.harness.run import torchrun
+
+    torchrun(2, TINY + ["--train-iters", "3", "--global-batch-size", "4",
+                        "--reft-keep-snapshots", "--reft-snapshot-every", "1",
+                        "--reft-job-id", shm_job]).check()
+    before = _job_shm(shm_job)
+    assert any(f.endswith(".slot0.bin") for f in before[f"reft-{shm_job}-node0"]), before
+    again = torchrun(2, _other_tp(small_checkpoint, shm_job))  # another layout's snapshots
+    assert again.returncode != 0 and "iteration        1/" not in again.output
+    assert _job_shm(shm_job) == before

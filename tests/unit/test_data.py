@@ -28,6 +28,7 @@ from megatron.training.data import (  # noqa: E402
     build_train_valid_test_data_iterators,
     ensure_preprocessed,
 )
+from megatron.training.poisoned_samples import parse_sample_ranges  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer  # noqa: E402
 
 preprocess_tool = data_mod._load_preprocess_tool()
@@ -241,9 +242,9 @@ def test_poisoned_samples_follow_the_sample_not_the_position():
             assert [bool(torch.isnan(m).all()) for m in a["loss_mask"]] == poisoned
             assert torch.equal(a["loss_mask"][[not p for p in poisoned]],
                                b["loss_mask"][[not p for p in poisoned]])
-    assert data_mod.parse_sample_ranges("3-3,10-12") == [(3, 3), (10, 12)]
+    assert parse_sample_ranges("3-3,10-12") == [(3, 3), (10, 12)]
     with pytest.raises(ValueError, match="FIRST-LAST"):
-        data_mod.parse_sample_ranges("10-12,12-10")
+        parse_sample_ranges("10-12,12-10")
 
 
 def test_empty_split_is_an_error(tmp_path):
