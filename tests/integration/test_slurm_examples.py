@@ -201,6 +201,7 @@ def _assert_clean_run(job: Job, nodes: int):
     assert not glob.glob(f"/dev/shm/reft-{job.job_id}-*")
 
 
+@pytest.mark.slow  # the default tier runs the 7B and Frontier scripts (tiny model) end to end
 def test_tiny_cpu_default_job(tmp_path):
     """The default job, unmodified: 2 nodes, ARC, health check, checkpoints, 8 iterations."""
     job = sbatch(TINY_CPU, tmp_path)

@@ -11,12 +11,10 @@ from tests.harness.run import LAYOUTS, TINY, torchrun
 ITERS = ["--train-iters", "6"]
 
 
-@pytest.mark.parametrize("layout", [
-    # the default tier: the default job's layout (the other layouts, TP among them, in
-    # `make test-all`); every recovery test compares against a failure-free run of its
-    # own layout besides
-    k if k == "pp2dp2-zero1" else pytest.param(k, marks=pytest.mark.slow)
-    for k in sorted(LAYOUTS)])
+# `make test-all`: in the default tier every recovery test is a second run of its
+# layout compared bit for bit (hashes, losses, checkpoint) with the failure-free one
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_two_runs_bit_identical(layout, reference_runs):
     args = TINY + ITERS + LAYOUTS[layout]
     first = reference_runs(layout, 4, args)

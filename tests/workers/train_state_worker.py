@@ -15,6 +15,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.hooks import TrainerHook
 from megatron.training.train_state import params_hash
 from megatron.training.training import Trainer
+from megatron.training.utils import emit
 
 
 class Rollback(TrainerHook):
@@ -59,8 +60,8 @@ def main():
         assert all(math.isfinite(float.fromhex(v)) for v in trainer.losses.values())
     else:  # no loss here, in either pass
         assert losses1 == {} and trainer.losses == {}, (rank, losses1, trainer.losses)
-    print(f"[ROLLBACK] rank {rank} ok iterations {sorted(trainer.losses)} "
-          f"{'last' if last else 'inner'} stage", flush=True)
+    emit(f"[ROLLBACK] rank {rank} ok iterations {sorted(trainer.losses)} "
+         f"{'last' if last else 'inner'} stage")  # one write: ranks share the pipe
     torch.distributed.barrier()
 
 
