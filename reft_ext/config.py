@@ -5,8 +5,10 @@ argument parsing, the snapshotter and the planner alike."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 from reft_ext.flags import ReftFlags
@@ -14,6 +16,32 @@ from reft_ext.flags import ReftFlags
 PROTECTIONS = ("none", "arc", "aec", "aor")
 RESTARTS = ("in-process", "process")  # docs/nodes.md
 SCHEDULES = ("has", "end-of-iteration", "host-thread")  # reft_ext/save/schedules.py (torch)
+
+
+JOB_ID_MAX = 64  # longer ids keep a prefix and a hash of the whole id (_job_id_of)
+
+
+def _job_id_of(raw: str, limit: int = JOB_ID_MAX) -> str:
+    """A job id usable in file names: characters outside ``[A-Za-z0-9._-]`` become
+    ``_``; an id longer than ``limit`` keeps its first ``limit - 16`` characters and 15
+    hex digits of the sha256 of the whole id (never a plain cut: two long ids that share
+    their beginning must not share a directory). Empty: ``"local"``."""
+    s = re.sub(r"[^A-Za-z0-9._-]", "_", raw or "")
+    if len(s) > limit:
+        s = s[:limit - 16] + "-" + hashlib.sha256((raw or "").encode()).hexdigest()[:15]
+    return s or "local"
+
+
+def _not_private(path: str) -> str | None:
+    """Why the existing directory ``path`` (symbolic links followed) is not this user's
+    private one, or None (the same rule as reft_ext/store/paths.py private_problem,
+    which the watcher and REFT-load apply)."""
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 class ReftConfigError(ValueError):
@@ -133,6 +161,13 @@ class ReftConfig(ReftFlags):
         if self.flush_dir and os.path.isfile(self.flush_dir):
             raise ReftConfigError(f"--reft-flush-dir: {self.flush_dir!r} is a file, not a "
                                   f"directory")
+        if self.flush_dir and self.flush_dir != "none" and os.path.isdir(self.flush_dir):
+            why = _not_private(self.flush_dir)
+            if why is not None:  # whoever else can write there could forge snapshots
+                raise ReftConfigError(
+                    f"--reft-flush-dir: {self.flush_dir} {why}: flushed snapshots are "
+                    f"neither written there nor loaded from there. Point it at a "
+                    f"directory of this user that only this user can write (chmod 700)")
         self.host_memory_limit_bytes = parse_bytes(self.host_memory_limit)
         if self.ranks_per_node == 0:
             self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -141,7 +176,8 @@ class ReftConfig(ReftFlags):
         if not self.job_id:
             self.job_id = (os.environ.get("TORCHELASTIC_RUN_ID") or
                            os.environ.get("SLURM_JOB_ID") or "local")
-        self.job_id = re.sub(r"[^A-Za-z0-9._-]", "_", self.job_id)[:64] or "local"
+        # too long: a prefix and a hash of the whole id, never a cut that two ids share
+        self.job_id = _job_id_of(self.job_id)
 
     @property
     def enabled(self) -> bool:

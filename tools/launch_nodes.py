@@ -25,6 +25,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,17 @@ from tools.launch_config import JobOutput, LaunchConfig, LaunchError  # noqa: E4
 # Outside that range only an explicit bind takes a port; an flock per port, held by the
 # process that picked it, keeps launchers (and their agents) off each other's picks.
 PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), f"reft-ports-{os.getuid()}")
+def _private_lock_dir(path: str) -> None:
+    """The port locks' directory is in the shared temporary directory: only one this user
+    made (0700, not a link) is used, or a planted one could point the locks elsewhere."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise LaunchError(f"{path} is not a private directory of this user (a link, another "
+                          f"user's, or writable by others): remove it, or set TMPDIR to a "
+                          f"directory of your own")
+
+
 PORT_FLOOR = 10000                # below: well-known and registered services
 TORCH_DEFAULT_PORTS = (29400, 29500)  # torchrun's static defaults: a port others bind
 PORT_LOCKS_KEPT = 64  # a process's older picks have long been bound (or given up) by then
@@ -86,10 +98,10 @@ def free_port() -> int:
     lo, hi = _ephemeral_range()
     pool = [p for p in range(PORT_FLOOR, 65536)
             if not lo <= p <= hi and p not in TORCH_DEFAULT_PORTS]
-    os.makedirs(PORT_LOCK_DIR, mode=0o700, exist_ok=True)
+    _private_lock_dir(PORT_LOCK_DIR)
     for port in random.SystemRandom().sample(pool, min(len(pool), 256)):
-        fd = os.open(os.path.join(PORT_LOCK_DIR, f"{port}.lock"), os.O_RDWR | os.O_CREAT,
-                     0o600)
+        fd = os.open(os.path.join(PORT_LOCK_DIR, f"{port}.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # another launcher's pick
@@ -175,11 +187,14 @@ class NodeLauncher(JobOutput):
     def start(self) -> "NodeLauncher":
         # the rendezvous store lives here, not in an agent: any node may die and its
         # replacement must still find the job (a dedicated rendezvous host, as etcd is)
-        from torch.distributed import TCPStore
+        from reft_ext.cluster.supervisor import listen
 
-        # bound here, not picked earlier and bound later (see free_port)
-        self.store = TCPStore("127.0.0.1", self.cfg.port, is_master=True, multi_tenant=True,
-                              wait_for_workers=False)
+        # bound here, not picked earlier and bound later (see free_port); on loopback
+        # only (TCPStore alone listens on every interface: supervisor.listen). torchrun's
+        # agents speak torch's own rendezvous protocol to it, so unlike the in-process
+        # supervisor's store its values cannot carry a tag: loopback is the protection.
+        self.store = listen("127.0.0.1", self.cfg.port, multi_tenant=True,
+                            wait_for_workers=False)
         self.cfg.port = self.store.port
         for i in range(self.cfg.nnodes):
             self.start_node(i)

@@ -1,4 +1,5 @@
-"""Print a REFT job's state table from the nodes' status files (reft_ext/cluster/status.py).
+"""Print a REFT job's state table from the nodes' status files (reft_ext/cluster/status.py:
+``<shm>/reft-<job>-node<n>.meta/status.json``, read only when this user's own).
 
     python tools/reft_status.py                  # every job found in /dev/shm
     python tools/reft_status.py --job JOB [--shm-dir DIR] [--json]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 from reft_ext.plan.presets import (  # shared with the planner
     MODEL_PRESETS,
@@ -296,6 +297,13 @@ def check_paths(args) -> None:
         why = data_path_error(args.data_path, args.tokenizer_type)
         if why:
             _fail("--data-path", why)
+    with warnings.catch_warnings():  # megatron-core's import notes: not this start's error
+        warnings.simplefilter("ignore")
+        from megatron.training.data import data_cache_path_error
+
+    why = data_cache_path_error(args.data_cache_path)  # megatron-core unpickles from it
+    if why:
+        _fail("--data-cache-path", why)
     if args.save:
         _check_writable_dir("--save", args.save, "point it at a directory this user can "
                             "create and write (checkpoints are written there)")

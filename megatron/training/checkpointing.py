@@ -28,6 +28,7 @@ from megatron.training.checkpoint_integrity import INDEX, seal_checkpoint, verif
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
 from reft_ext.report.events import record
+from reft_ext.store.atomic import write_atomic
 from reft_ext.state.identity import differences, stamp
 from reft_ext.testing import fault_point, get_fault_observer  # --inject-fault moments
 
@@ -68,12 +69,16 @@ def read_tracker(root: str) -> int | None:
 
 
 def _write_tracker(root: str, iteration: int) -> None:
-    tmp = os.path.join(root, f".{TRACKER}.tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER))
+    # a private temporary (0600, never through a planted link), fsynced, renamed into place
+    write_atomic(os.path.join(root, TRACKER), str(iteration), durable=True)
+
+
+def _private_dirs(root: str, path: str) -> None:
+    """--save's directory and each checkpoint's are created 0700: the state is the
+    user's alone (an existing --save directory keeps the mode its owner gave it)."""
+    if not os.path.isdir(root):
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)
 
 
 def _faulty_write(write, iteration: int, *args, **kwargs):
@@ -173,7 +178,7 @@ class Checkpointer:
         t0 = time.time()
         fault_point("save", iteration=it)  # --inject-fault ...@save (reft_ext/testing)
         if torch.distributed.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
+            _private_dirs(root, path)
         torch.distributed.barrier()
         sd = sharded_state_dict(state, args, is_loading=False)
         request = dist_checkpointing.save(

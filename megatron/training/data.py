@@ -23,13 +23,14 @@ create_attention_mask defaults to True (bool [mbs,1,seq,seq], True = masked out)
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib.util
 import os
+import stat
 import struct
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
@@ -93,12 +94,79 @@ class MegatronPretrainingSampler:
 # --------------------------------------------------------------------------------------------
 # Helpers, corpus preprocessing, cache location
 # --------------------------------------------------------------------------------------------
+def default_data_cache_root() -> str:
+    """The job's own cache root: $XDG_CACHE_HOME/reft-megatron/data-cache, or
+    ~/.cache/reft-megatron/data-cache. Never a fixed name in the shared temp dir: megatron-core
+    loads the cached index files with np.load(allow_pickle=True), so whoever can write the cache
+    directory can run code as the training user."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "reft-megatron", "data-cache")
+
+
+class UnsafeCacheDirError(ValueError):
+    """A cache/lock directory another user could write (or a symlink to one): refused."""
+
+
+def private_dir(path: str, what: str = "data cache directory") -> str:
+    """Create `path` (mode 0700) if missing and return its absolute path, after checking that it
+    is a real directory (not a symlink) owned by this uid and not writable by group/others.
+    Raises UnsafeCacheDirError with a one-line message naming it otherwise. Safe to call from
+    many processes at once."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    lock = what.startswith("lock")
+    fix = ("remove it or set XDG_CACHE_HOME to a directory you own" if lock
+           else "choose another --data-cache-path (or remove it)")
+    if stat.S_ISLNK(st.st_mode):
+        why = f"is a symlink (to {os.readlink(path)}); give the real directory or {fix}"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = f"is not a directory; {fix}"
+    elif st.st_uid != os.getuid():
+        why = f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); {fix}"
+    elif st.st_mode & 0o022:
+        why = (f"is writable by group/others (mode {stat.S_IMODE(st.st_mode):04o}); "
+               f"chmod 700 {path} or {fix}")
+    else:
+        return path
+    risk = ("another user could plant files there" if lock else
+            "megatron-core loads pickled index files from it, so another user who can write it "
+            "could run code as you")
+    raise UnsafeCacheDirError(f"refusing {what} {path}: it {why} ({risk})")
+
+
+def data_cache_path_error(path: Optional[str]) -> Optional[str]:
+    """What is wrong with --data-cache-path (or, when None, the default cache root), or None.
+    One line, for argument validation: the same check the dataset builder makes on every rank."""
+    try:
+        private_dir(path or default_data_cache_root())
+    except (UnsafeCacheDirError, OSError) as e:
+        return str(e)
+    return None
+
+
 @contextlib.contextmanager
 def _file_lock(name: str):
-    """Inter-process lock (one per machine) under the temp dir; needs no torch.distributed, so
-    any subset of ranks, or separate jobs, can call the functions that use it."""
-    path = os.path.join(tempfile.gettempdir(), f"megatron_data_{os.getuid()}_{name}.lock")
-    with open(path, "w") as f:
+    """Inter-process lock (one per machine) in the user's private cache directory
+    (<default_data_cache_root()>/.locks, 0700, checked by private_dir); needs no
+    torch.distributed, so any subset of ranks, or separate jobs, can call the functions that use
+    it. Opened with O_NOFOLLOW: a symlink planted at the lock path is never followed."""
+    root = private_dir(default_data_cache_root())
+    lock_dir = private_dir(os.path.join(root, ".locks"), "lock directory")
+    path = os.path.join(lock_dir, f"megatron_data_{name}.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeCacheDirError(
+                f"refusing lock file {path}: it is a symlink; remove it") from None
+        raise
+    with os.fdopen(fd, "r+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -242,12 +310,12 @@ def _data_fingerprint(prefixes: List[str]) -> str:
 
 
 def data_cache_path(args, prefixes: List[str]) -> str:
-    """<args.data_cache_path or $TMPDIR/megatron_data_cache_<uid>>/<data fingerprint>.
-    Must be one directory every rank sees (shared FS for multi-node): rank 0 writes, then the
-    others read after the builder's barrier."""
-    root = getattr(args, "data_cache_path", None) or os.path.join(
-        tempfile.gettempdir(), f"megatron_data_cache_{os.getuid()}")
-    return os.path.join(root, _data_fingerprint(prefixes))
+    """<args.data_cache_path or default_data_cache_root()>/<data fingerprint>, both checked by
+    private_dir (created 0700; refused when a symlink, owned by another uid, or writable by
+    group/others). Must be one directory every rank sees (shared FS for multi-node): rank 0
+    writes, then the others read after the builder's barrier."""
+    root = private_dir(getattr(args, "data_cache_path", None) or default_data_cache_root())
+    return private_dir(os.path.join(root, _data_fingerprint(prefixes)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,6 +390,8 @@ def build_train_valid_test_datasets(args, tokenizer):
     ensure_dataset_helpers()
     if getattr(args, "mock_data", False):
         cls, cache = MockGPTDataset, getattr(args, "data_cache_path", None)
+        if cache:
+            cache = private_dir(cache)
         args = _with(args, data_path=None, train_data_path=None, valid_data_path=None,
                      test_data_path=None)
     else:

@@ -21,12 +21,23 @@ A rank that cannot restart in place (a bug, a state it cannot rebind) just exits
 supervisor replaces it like a dead one, so the worst case is today's process restart.
 This module is torch-only (no megatron): the trainer's side is
 megatron/training/inprocess.py.
+
+The store listens on loopback only, but any local process can connect to it without a
+password, so every value that steers the job (``abort/<g>``, ``gen``, a spare's
+assignment, the ``ready``/``trained`` markers) carries an HMAC-SHA256 over (key,
+generation, value) with the job's secret (:data:`ENV_SECRET`: 32 random bytes made by
+the supervisor and handed to its workers in their environment, never through the
+store). A value without a valid tag is ignored, with one warning per key.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -37,6 +48,7 @@ from reft_ext.report.threads import join_or_warn
 
 ENV_STORE = "REFT_INPROCESS_STORE"      # host:port of the supervisor's store
 ENV_GENERATION = "REFT_GENERATION"      # the generation this process joins first
+ENV_SECRET = "REFT_INPROCESS_SECRET"   # hex of the job's 32-byte HMAC key (never stored)
 PREFIX = "reft/ip"
 POLL_S = 0.05                           # how often a rank looks for an abort
 
@@ -65,6 +77,109 @@ def _connect(timeout_s: float) -> torch.distributed.TCPStore:
 
 def key(*parts) -> str:
     return "/".join([PREFIX, *map(str, parts)])
+
+
+# ---- authenticated store values ------------------------------------------------------
+def new_secret() -> str:
+    """A job's secret: 32 random bytes, hex (what :data:`ENV_SECRET` holds)."""
+    return secrets.token_hex(32)
+
+
+def job_secret() -> bytes:
+    """This process's copy of the job's secret (from its environment)."""
+    raw = os.environ.get(ENV_SECRET, "")
+    try:
+        secret = bytes.fromhex(raw)
+    except ValueError:
+        secret = b""
+    if len(secret) < 32:
+        raise RestartError(f"${ENV_SECRET} is missing or not 32 hex bytes: the in-process "
+                           f"supervisor hands it to every worker it starts")
+    return secret
+
+
+def _tag(secret: bytes, k: str, gen: int, value: str) -> str:
+    msg = json.dumps([k, int(gen), value]).encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def sign(secret: bytes, k: str, value: str, gen: int) -> str:
+    """``value`` for store key ``k`` in generation ``gen``, with its HMAC tag."""
+    return json.dumps({"g": int(gen), "v": value, "t": _tag(secret, k, gen, value)})
+
+
+_warned: set[str] = set()
+
+
+def forged(k: str) -> None:
+    """Say once per key that a value without a valid tag was ignored."""
+    if k in _warned:
+        return
+    _warned.add(k)
+    from reft_ext.report.events import emit
+
+    emit("store_forged", f"warning: unsigned/forged store value for {k} ignored", key=k)
+
+
+def verify(secret: bytes, k: str, raw, gen: int | None = None) -> str | None:
+    """The value of a signed store entry, or None (with the one warning) when it carries
+    no valid tag for ``k`` (and for generation ``gen`` when given). An empty entry (a
+    key never set, what compare_set's empty expectation leaves) is None, silently."""
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", "replace")
+    if not raw:
+        return None
+    try:
+        d = json.loads(raw)
+        g, value, tag = d["g"], d["v"], d["t"]
+        ok = (type(g) is int and isinstance(value, str) and isinstance(tag, str)
+              and hmac.compare_digest(tag.encode(), _tag(secret, k, g, value).encode())
+              and (gen is None or g == gen))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        forged(k)
+        return None
+    return value
+
+
+def read_signed(store, secret: bytes, k: str, gen: int | None = None) -> str | None:
+    """:func:`verify` of ``k``'s value; None when the key is not set."""
+    if not store.check([k]):
+        return None
+    return verify(secret, k, store.get(k), gen)
+
+
+def set_first(store, secret: bytes, k: str, value: str, gen: int) -> str:
+    """Set ``k`` to the signed ``value`` unless a validly signed value is there already
+    (the first reason wins); a forged value in its place is overwritten. Returns the
+    value that stands."""
+    signed = sign(secret, k, value, gen)
+    expected = ""
+    for _ in range(16):
+        cur = store.compare_set(k, expected, signed)
+        cur = cur.decode("utf-8", "replace") if isinstance(cur, bytes) else cur
+        if cur == signed:
+            return value
+        good = verify(secret, k, cur, gen)
+        if good is not None:
+            return good
+        expected = cur  # forged or unsigned: replace it
+    store.set(k, signed)
+    return value
+
+
+def published_generation(store, secret: bytes) -> int | None:
+    """The validly signed ``gen`` (its tag's generation must be its value), else None."""
+    k = key("gen")
+    if not store.check([k]):
+        return None
+    raw = store.get(k)
+    value = verify(secret, k, raw)
+    if value is None or not value.isdigit():
+        return None
+    g = int(value)
+    return g if verify(secret, k, raw, g) is not None else None
 
 
 def peer_sockets(exclude_ports: set[int]) -> list[int]:
@@ -120,6 +235,7 @@ class Generation:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.gen = int(os.environ.get(ENV_GENERATION, "0"))
+        self.secret = job_secret()
         self.store = _connect(timeout_s=24 * 3600)  # waits for the next generation
         self.store_port = int(os.environ[ENV_STORE].rsplit(":", 1)[1])
         self.aborted = threading.Event()
@@ -143,7 +259,8 @@ class Generation:
     # ---- failure --------------------------------------------------------------------
     def request_abort(self, reason: str) -> None:
         """This rank saw generation g fail: every rank aborts (first reason wins)."""
-        self.store.compare_set(key("abort", self.gen), "", f"rank {self.rank}: {reason}")
+        set_first(self.store, self.secret, key("abort", self.gen),
+                  f"rank {self.rank}: {reason}", self.gen)
 
     def is_failure(self, exc: BaseException) -> bool:
         """Is ``exc`` what a peer's failure (or our abort) looks like from here, rather
@@ -167,11 +284,12 @@ class Generation:
             self._watcher = None
         old = self.gen
         self.request_abort("restart")  # in case this rank was the first to notice
-        self.store.set(key("ready", old, self.rank), str(os.getpid()))
+        k = key("ready", old, self.rank)
+        self.store.set(k, sign(self.secret, k, str(os.getpid()), old))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            g = int(self.store.get(key("gen")).decode())
-            if g > old:
+            g = self.published()
+            if g is not None and g > old:
                 self.gen = g
                 os.environ[ENV_GENERATION] = str(g)  # fault injection's attempt
                 return g
@@ -179,11 +297,16 @@ class Generation:
         raise RestartError(f"no generation after {old} within {timeout_s:.0f} s "
                            f"(the supervisor is gone?)")
 
+    def published(self) -> int | None:
+        """The generation the supervisor published last (None: no valid ``gen``)."""
+        return published_generation(self.store, self.secret)
+
     def trained(self) -> None:
         """This rank finished an iteration in the current generation: the job is back to
         training (the supervisor refills its warm spares only then, so that their start
         never competes with a recovery for the host's cores)."""
-        self.store.set(key("trained", self.gen, self.rank), "1")
+        k = key("trained", self.gen, self.rank)
+        self.store.set(k, sign(self.secret, k, "1", self.gen))
 
     def close(self) -> None:
         """Training is over: the abort watcher stops (a thread still inside a store call
@@ -194,7 +317,8 @@ class Generation:
 
     def reason(self) -> str:
         try:
-            return self.store.get(key("abort", self.gen)).decode() or self.abort_reason
+            return read_signed(self.store, self.secret, key("abort", self.gen),
+                               self.gen) or self.abort_reason
         except Exception:  # noqa: BLE001 - the store itself may be the failure
             return self.abort_reason
 
@@ -218,7 +342,7 @@ class AbortWatcher(threading.Thread):
         while not self._halt.is_set():
             try:
                 if self.store.check([k]):
-                    reason = self.store.get(k).decode()
+                    reason = read_signed(self.store, self.g.secret, k, self.gen_no)
                     if reason:
                         self.g.abort_now(reason)
                         return

@@ -53,9 +53,11 @@ def _key() -> str:
 
 
 def write_handover(shm_dir: str, job: str, rank: int, node: int, world_size: int) -> str:
-    """This rank's place in the job it is leaving (next to the old node's directory, so
-    the launcher's clean-up of ``reft-<job>-node*`` removes a stale note too)."""
-    path = paths.node_file(shm_dir, job, node, f".handover-{_key()}.json")
+    """This rank's place in the job it is leaving (in the old node's private side
+    directory, next to its shared-memory directory, so the launcher's clean-up of
+    ``reft-<job>-node*`` removes a stale note too)."""
+    paths.ensure_side_dir(shm_dir, job, node)
+    path = paths.node_file(shm_dir, job, node, f"handover-{_key()}.json")
     write_atomic(path, json.dumps({"rank": rank, "node": node, "world_size": world_size}))
     return path
 
@@ -64,11 +66,23 @@ def take_handover(shm_dir: str, job: str) -> dict | None:
     """This rank's note from the attempt before, removed: a later restart of the same
     agent must not take it for a fresh one."""
     found = None
-    for p in glob.glob(paths.node_glob(shm_dir, job, f".handover-{glob.escape(_key())}.json")):
+    for p in glob.glob(paths.side_glob(shm_dir, job, f"handover-{glob.escape(_key())}.json")):
+        d = os.path.dirname(p)
+        if paths.private_problem(d) is not None:
+            continue  # another user's directory: neither trusted nor touched
+        text = paths.read_private(p)  # None: not this user's own file
         try:
-            with open(p) as f:
-                found = json.load(f)
-        except (OSError, ValueError):
+            note = json.loads(text) if text is not None else None
+        except ValueError:
+            note = None
+        if isinstance(note, dict):
+            found = note
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
             pass
-        os.unlink(p)
+        try:
+            os.rmdir(d)  # the side directory, once empty (no status left in it)
+        except OSError:
+            pass
     return found

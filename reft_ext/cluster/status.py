@@ -1,9 +1,14 @@
 """REFT's state signals, one small status file per node (failure domain).
 
-    <shm>/reft-<job>-node<n>.status.json   {"node", "ranks", "state", "iteration", ...}
+    <shm>/reft-<job>-node<n>.meta/status.json   {"node", "ranks", "state", "iteration", ...}
+    <shm>/reft-<job>-node<n>.meta/watcher.pid
 
-Next to the node's shared-memory directory, not inside it: a node whose memory is wiped
-still gets its OFFLINE written by whoever saw it go (the launcher, the node's watcher).
+In the node's side directory (reft_ext/store/paths.py), next to its shared-memory
+directory, not inside it: a node whose memory is wiped still gets its OFFLINE written by
+whoever saw it go (the launcher, the node's watcher). The side directory is private
+(0700, this user's; another user's is refused when written, ignored when read) and a file
+in it is read only if it is this user's own: nothing another user planted in the shared
+/dev/shm (a FINISHED status that would stop a flush, a pid file) is ever trusted.
 States (REFT's workflow): HEALTHY (training started), SNAP (a snapshot is being copied),
 COMPLETED (the node's shards of ``iteration`` are complete and committed), UNHEALTHY (a
 worker died, the node's memory is intact), OFFLINE (the node is gone), FINISHED (training
@@ -28,7 +33,7 @@ UNHEALTHY, OFFLINE, FINISHED = "UNHEALTHY", "OFFLINE", "FINISHED"
 STATES = (HEALTHY, SNAP, COMPLETED, UNHEALTHY, OFFLINE, FINISHED)
 
 
-STATUS, WATCHER_PID = ".status.json", ".watcher.pid"  # beside the node's directory
+STATUS, WATCHER_PID = "status.json", "watcher.pid"  # in the node's side directory
 
 
 def path(shm_dir: str, job: str, node: int) -> str:
@@ -40,11 +45,18 @@ def watcher_pid_path(shm_dir: str, job: str, node: int) -> str:
 
 
 def read(shm_dir: str, job: str, node: int) -> dict | None:
+    text = paths.read_private(path(shm_dir, job, node))
     try:
-        with open(path(shm_dir, job, node)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        rec = json.loads(text) if text is not None else None
+    except ValueError:
         return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _write(shm_dir: str, job: str, node: int, rec: dict) -> None:
+    paths.ensure_side_dir(shm_dir, job, node)
+    # per writer: the launcher and a rank may race
+    write_atomic(path(shm_dir, job, node), json.dumps(rec), per_writer=True)
 
 
 def write(shm_dir: str, job: str, node: int, state: str, iteration: int | None = None,
@@ -58,16 +70,15 @@ def write(shm_dir: str, job: str, node: int, state: str, iteration: int | None =
            "state": state,
            "iteration": iteration if iteration is not None else old.get("iteration"),
            "updated": time.time(), "detail": detail, "pid": os.getpid()}
-    # per writer: the launcher and a rank may race
-    write_atomic(path(shm_dir, job, node), json.dumps(rec), per_writer=True)
+    _write(shm_dir, job, node, rec)
     return rec
 
 
 def read_job(shm_dir: str, job: str) -> list[dict]:
     """Every node's status of a job, by node index."""
     out = []
-    for p in glob.glob(paths.node_glob(shm_dir, job, STATUS)):
-        node = paths.node_of(p, job, STATUS)
+    for p in glob.glob(paths.side_glob(shm_dir, job, STATUS)):
+        node = paths.side_node_of(p, job)
         if node is not None:
             rec = read(shm_dir, job, node)
             if rec is not None:
@@ -76,18 +87,33 @@ def read_job(shm_dir: str, job: str) -> list[dict]:
 
 
 def jobs(shm_dir: str) -> list[str]:
-    names = glob.glob(os.path.join(shm_dir, f"{paths.PREFIX}*-node*{STATUS}"))
-    return sorted({paths.job_of(n, STATUS) for n in names} - {None})
+    names = glob.glob(os.path.join(shm_dir, f"{paths.PREFIX}*-node*{paths.SIDE}", STATUS))
+    return sorted({paths.job_of(os.path.dirname(n), paths.SIDE) for n in names} - {None})
 
 
 # ---- the node's watcher process (reft_ext/cluster/watcher.py) -----------------------------
-def watcher_pid(shm_dir: str, job: str, node: int) -> int | None:
+def _read_pid(p: str) -> int | None:
     try:
-        with open(watcher_pid_path(shm_dir, job, node)) as f:
-            pid = int(f.read().strip())
+        return int((paths.read_private(p) or "").strip())
+    except ValueError:
+        return None
+
+
+def write_watcher_pid(shm_dir: str, job: str, node: int, pid: int) -> str:
+    paths.ensure_side_dir(shm_dir, job, node)
+    p = watcher_pid_path(shm_dir, job, node)
+    write_atomic(p, str(pid), per_writer=True)
+    return p
+
+
+def watcher_pid(shm_dir: str, job: str, node: int) -> int | None:
+    pid = _read_pid(watcher_pid_path(shm_dir, job, node))
+    if pid is None or pid <= 0:
+        return None
+    try:
         os.kill(pid, 0)
         return pid
-    except (OSError, ValueError):
+    except OSError:
         return None
 
 
@@ -99,10 +125,24 @@ def kill_watcher(shm_dir: str, job: str, node: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    remove_side_files(shm_dir, job, node, [WATCHER_PID])
+
+
+def remove_side_files(shm_dir: str, job: str, node: int, names: list[str]) -> None:
+    """Remove these files of the node's side directory, and the directory once empty;
+    nothing in a side directory that is not this user's private one."""
+    d = paths.side_dir(shm_dir, job, node)
+    if paths.private_problem(d) is not None:
+        return
+    for n in names:
+        try:
+            os.unlink(os.path.join(d, n))
+        except FileNotFoundError:
+            pass
     try:
-        os.unlink(watcher_pid_path(shm_dir, job, node))
-    except FileNotFoundError:
-        pass
+        os.rmdir(d)
+    except OSError:
+        pass  # other files left (a handover note, the status): it stays
 
 
 def _is_watcher(pid: int) -> bool:
@@ -117,16 +157,13 @@ def _is_watcher(pid: int) -> bool:
 def wait_watchers(shm_dir: str, job: str, timeout: float) -> bool:
     """Wait until no watcher of the job runs (they exit after flushing)."""
     deadline = time.time() + timeout
-    pattern = paths.node_glob(shm_dir, job, WATCHER_PID)
+    pattern = paths.side_glob(shm_dir, job, WATCHER_PID)
     while time.time() < deadline:
         alive = []
         for p in glob.glob(pattern):
-            try:
-                pid = int(open(p).read().strip())
-                if _is_watcher(pid):
-                    alive.append(pid)
-            except (OSError, ValueError):
-                pass
+            pid = _read_pid(p)
+            if pid is not None and pid > 0 and _is_watcher(pid):
+                alive.append(pid)
         if not alive:
             return True
         time.sleep(0.05)
@@ -152,6 +189,6 @@ class NodeSignals:
                "iteration": self.iteration, "updated": time.time(), "detail": detail,
                "pid": os.getpid()}
         try:
-            write_atomic(self.path, json.dumps(rec), per_writer=True)
+            _write(self.shm_dir, self.job, self.node, rec)
         except OSError:
             pass

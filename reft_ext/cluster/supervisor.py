@@ -18,6 +18,12 @@ one host) owns a TCPStore and the rank processes (reft_ext/cluster/spare.py):
   generation (``trained/<g>/<rank>``): on a shared host a spare's imports would
   otherwise take cores from the very recovery it shortens.
 
+The store listens on loopback only (:func:`listen`), and what steers the job in it is
+signed with the job's secret (reft_ext/cluster/inprocess.py ``sign``), which the
+supervisor makes and hands its workers in their environment: a local process that
+connects to the store can neither abort the job nor give a spare a rank, let alone an
+environment (a spare is sent a rank and a generation, nothing else).
+
 ``history`` records every generation change (who died, the times of each step), what
 benchmarks/bench_recovery.py splits downtime with.
 """
@@ -27,13 +33,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from reft_ext.cluster.inprocess import ENV_GENERATION, ENV_STORE, key
+from reft_ext.cluster.inprocess import (ENV_SECRET, key, new_secret, read_signed,
+                                        set_first, sign)
 from reft_ext.report.threads import join_or_warn
 
 # what a warm spare imports while it waits (a cold worker imports the same on its own)
@@ -67,6 +75,28 @@ class SupervisorConfig:
             raise ValueError(f"--abort-timeout: must be > 0, got {self.abort_timeout}")
 
 
+def listen(host: str = "127.0.0.1", port: int = 0, **kwargs):
+    """A TCPStore server listening on ``host`` only. ``TCPStore(host, port,
+    is_master=True)`` ignores ``host`` and listens on every interface (the libuv
+    server binds ``::``/``0.0.0.0``; torch 2.13), so the socket is bound here and handed
+    over (``master_listen_fd``): the store takes the descriptor over."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+        sock.bind((host, port))
+        sock.listen(4096)
+        port = sock.getsockname()[1]
+        store = TCPStore(host, port, is_master=True, master_listen_fd=sock.fileno(),
+                         **kwargs)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
+
+
 class _Worker:
     def __init__(self, wid: int, proc: subprocess.Popen, log: str, started: float):
         self.wid, self.proc, self.log, self.started = wid, proc, log, started
@@ -91,6 +121,8 @@ class Supervisor:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._secret_hex = new_secret()  # the job's HMAC key: environment only, never stored
+        self.secret = bytes.fromhex(self._secret_hex)
         os.makedirs(cfg.log_dir, exist_ok=True)
 
     # ---- workers ----------------------------------------------------------------
@@ -99,28 +131,35 @@ class Supervisor:
         log = os.path.join(self.cfg.log_dir, f"worker{wid}.log")
         cmd = [sys.executable, "-m", "reft_ext.cluster.spare", "--store",
                f"127.0.0.1:{self.port}", "--id", str(wid), "--preload", self.cfg.preload,
+               "--world-size", str(self.cfg.world_size),
+               "--ranks-per-node", str(self.cfg.ranks_per_node), "--job-id", self.cfg.job_id,
                "--", self.cfg.script, *self.cfg.script_args]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.cfg.env)
         env.pop("TORCHELASTIC_RESTART_COUNT", None)
+        env[ENV_SECRET] = self._secret_hex
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                     cwd=self.cfg.cwd or None, start_new_session=True)
         return _Worker(wid, proc, log, time.time())
 
     def _assign(self, w: _Worker, rank: int) -> None:
-        c = self.cfg
-        env = {"RANK": str(rank), "WORLD_SIZE": str(c.world_size),
-               "LOCAL_RANK": str(rank % c.ranks_per_node),
-               "LOCAL_WORLD_SIZE": str(c.ranks_per_node),
-               "GROUP_RANK": str(rank // c.ranks_per_node),
-               "REFT_NODE_SLOT": str(rank // c.ranks_per_node),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
-               "TORCHELASTIC_RUN_ID": c.job_id, ENV_STORE: f"127.0.0.1:{self.port}",
-               ENV_GENERATION: str(self.gen)}
+        """Give worker ``w`` a rank of the current generation: a signed (rank,
+        generation), from which the worker makes the rank's environment itself
+        (reft_ext/cluster/spare.py rank_env)."""
         w.rank = rank
         self.ranks[rank] = w
         self.logs[rank].append(w.log)
-        self.store.set(key("assign", w.wid), json.dumps(env))
+        k = key("assign", w.wid)
+        self.store.set(k, sign(self.secret, k, json.dumps({"rank": rank, "gen": self.gen}),
+                               self.gen))
+
+    def _signed(self, k: str, gen: int) -> bool:
+        """``k`` holds a value signed with the job's secret for generation ``gen``."""
+        return read_signed(self.store, self.secret, k, gen) is not None
+
+    def _publish(self) -> None:
+        k = key("gen")
+        self.store.set(k, sign(self.secret, k, str(self.gen), self.gen))
 
     def _take_worker(self) -> _Worker:
         """A warm spare if one is left, else a new one. The pool is refilled once the
@@ -131,20 +170,17 @@ class Supervisor:
     def _refill(self) -> None:
         """Top the spare pool up when every rank of the current generation has finished
         an iteration in it (``trained/<g>/<rank>``)."""
-        if len(self.spares) >= self.cfg.spares or not self.store.check(
-                [key("trained", self.gen, r) for r in self.ranks]):
+        if len(self.spares) >= self.cfg.spares or not all(
+                self._signed(key("trained", self.gen, r), self.gen) for r in self.ranks):
             return
         while len(self.spares) < self.cfg.spares:
             self.spares.append(self._spawn())
 
     # ---- life cycle -------------------------------------------------------------
     def start(self) -> "Supervisor":
-        from torch.distributed import TCPStore
-
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True,
-                              wait_for_workers=False)
+        self.store = listen("127.0.0.1", 0, multi_tenant=True, wait_for_workers=False)
         self.port = self.store.port
-        self.store.set(key("gen"), "0")
+        self._publish()
         for r in range(self.cfg.world_size):
             self._assign(self._spawn(), r)
         while len(self.spares) < self.cfg.spares:
@@ -174,7 +210,7 @@ class Supervisor:
                     if 0 in codes.values():
                         time.sleep(0.02)  # finishing: the others are saving, exiting
                         continue
-                    asked = self.store.check([key("abort", self.gen)])
+                    asked = self._signed(key("abort", self.gen), self.gen)
                     if dead or asked:
                         if not self._new_generation(dead):
                             return
@@ -190,7 +226,7 @@ class Supervisor:
         """End generation g: abort, wait for survivors or deaths, replace, publish g+1."""
         g, t_detect = self.gen, time.time()
         reason = f"rank(s) {dead} exited" if dead else "a rank asked"
-        self.store.compare_set(key("abort", g), "", f"supervisor: {reason}")
+        set_first(self.store, self.secret, key("abort", g), f"supervisor: {reason}", g)
         deadline = time.time() + self.cfg.abort_timeout
         waiting = set(self.ranks)
         while True:
@@ -198,7 +234,7 @@ class Supervisor:
                 w = self.ranks[r]
                 if w.proc.poll() is not None:
                     waiting.discard(r)
-                elif self.store.check([key("ready", g, r)]):
+                elif self._signed(key("ready", g, r), g):
                     waiting.discard(r)
             if not waiting:
                 break
@@ -222,7 +258,7 @@ class Supervisor:
             w = self._take_worker()
             warm.append(self.store.check([key("warm", w.wid)]))
             self._assign(w, r)
-        self.store.set(key("gen"), str(self.gen))
+        self._publish()
         self.history.append(dict(generation=self.gen, reason=reason, dead=dead,
                                  warm=warm, t_detect=t_detect, t_ready=t_ready,
                                  t_published=time.time()))

@@ -17,7 +17,11 @@ node's worker pids; when one dies (crash, or SIGTERM from a preempted agent):
    holds may be the older one. A marker ``rank<r>.flushing`` per rank of the node is
    written before the first file and removed after the last: a flush cut short (the
    watcher killed, the node lost mid-flush) leaves it, and REFT-load never imports that
-   rank's flushed files (reft_ext/load/flushed.py), old or new.
+   rank's flushed files (reft_ext/load/flushed.py), old or new. The flush directory is
+   created 0700; one owned by another user or writable by group or others is refused
+   (one line naming it, nothing written there: whoever else can write there could
+   redirect the copies through symbolic links or forge snapshots the next start loads),
+   and every file goes through a fresh O_EXCL|O_NOFOLLOW temporary.
 
 With ``--reft-hang-timeout`` it also reads the ranks' heartbeats (reft_ext/cluster/heartbeat.py):
 a rank silent past its limit is named in one ``[REFT] hang: ...`` line and in the node's
@@ -47,7 +51,7 @@ import time
 from reft_ext.cluster import heartbeat
 from reft_ext.cluster import status
 from reft_ext.store import paths
-from reft_ext.store.atomic import write_atomic
+from reft_ext.store.atomic import tmp_name, write_atomic
 from reft_ext.report.events import emit as reft_emit
 
 POLL_S = 0.1
@@ -92,13 +96,46 @@ def alive(pid: int) -> bool:
 
 
 def _copy_durable(src: str, dst: str) -> None:
-    tmp = f"{dst}.tmp"
-    with open(src, "rb") as fi, open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                                             0o600), "wb") as fo:
-        shutil.copyfileobj(fi, fo, 16 << 20)
-        fo.flush()
-        os.fsync(fo.fileno())
-    os.replace(tmp, dst)
+    """Copy ``src`` to ``dst`` through a fresh temporary (an unpredictable name, created
+    O_EXCL|O_NOFOLLOW, 0600: nothing planted there is ever written through), fsynced,
+    then renamed into place."""
+    tmp = tmp_name(dst)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        with open(src, "rb") as fi, open(fd, "wb") as fo:
+            shutil.copyfileobj(fi, fo, 16 << 20)
+            fo.flush()
+            os.fsync(fo.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class FlushDirError(PermissionError):
+    """--reft-flush-dir is not this user's private directory: nothing is flushed there."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def check_flush_dir(flush_dir: str) -> None:
+    """Create ``flush_dir`` (0700) or refuse (:class:`FlushDirError`, one line naming
+    it) one owned by another user or writable by group or others: whoever else can
+    write there could redirect the flush's files (symbolic links) or forge snapshots
+    that the next start loads."""
+    try:
+        paths.ensure_private(flush_dir, "--reft-flush-dir",
+                             "The snapshots are not flushed there (the node's host memory "
+                             "still holds them); point --reft-flush-dir at a directory of "
+                             "this user that only this user can write (chmod 700)",
+                             fix_mode=False, follow=True)
+    except paths.PrivateDirError as exc:
+        raise FlushDirError(exc.errno, exc.strerror) from None
 
 
 def _unchanged(mpath: str, text: str) -> bool:
@@ -124,7 +161,7 @@ def flush_node(node_dir: str, flush_dir: str, node: int | None = None) -> dict[i
     """Copy the node's complete snapshot slots to flush_dir; rank -> flushed iterations.
     Each rank's ``.flushing`` marker stays in flush_dir until the last file is copied.
     ``node``: this node's number, for the test fault (:data:`FAULT_ENV`)."""
-    os.makedirs(flush_dir, mode=0o700, exist_ok=True)
+    check_flush_dir(flush_dir)
     die = node is not None and flush_fault(node)
     ranks = sorted({os.path.basename(p).split(".")[0] for p in
                     glob.glob(os.path.join(node_dir, "rank*.slot*.json")) +
@@ -205,12 +242,8 @@ def watch(a) -> int:
     rec = status.read(a.shm_dir, a.job, a.node) or {}
     if rec.get("state") == status.FINISHED:
         if not os.path.isdir(node_dir):  # snapshots removed at the end: nothing to show
-            for q in (status.path(a.shm_dir, a.job, a.node),
-                      status.watcher_pid_path(a.shm_dir, a.job, a.node)):
-                try:
-                    os.unlink(q)
-                except FileNotFoundError:
-                    pass
+            status.remove_side_files(a.shm_dir, a.job, a.node,
+                                     [status.STATUS, status.WATCHER_PID])
         return 0
     dead = [p for p in pids if not alive(p)]
     if not os.path.isdir(node_dir):
@@ -249,6 +282,7 @@ def spawn(shm_dir: str, job: str, node: int, pids: list[int], flush_dir: str,
           ranks: list[int] | None = None, hang_timeout: float = 0.0) -> int:
     """Start the node's watcher in its own session; returns its pid. ``ranks`` (the
     global ranks of ``pids``, same order) and ``hang_timeout`` > 0 turn on hang detection."""
+    paths.ensure_side_dir(shm_dir, job, node)  # refused before anything starts
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -257,7 +291,12 @@ def spawn(shm_dir: str, job: str, node: int, pids: list[int], flush_dir: str,
          "--node", str(node), "--pids", ",".join(map(str, pids)), "--flush-dir", flush_dir,
          "--ranks", ",".join(map(str, ranks or [])), "--hang-timeout", str(hang_timeout)],
         env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    write_atomic(status.watcher_pid_path(shm_dir, job, node), str(p.pid), per_writer=True)
+    try:
+        status.write_watcher_pid(shm_dir, job, node, p.pid)
+    except OSError:  # the side directory refused (another user's): no orphan watcher
+        p.kill()
+        p.wait()
+        raise
     return p.pid
 
 

@@ -18,6 +18,7 @@ import os
 import re
 
 from reft_ext.report.events import reft_print
+from reft_ext.store import paths
 from reft_ext.store.slots import SnapshotStore, read_sealed
 
 _reported: set = set()  # (path, why): one line per bad flushed file
@@ -31,6 +32,22 @@ def _read(path: str) -> dict | None:
         reft_print(f"{path} {why}: not used", event="untrusted_file", path=path,
                    kind="flushed", why=why)
     return obj
+
+
+def trusted_flush_dir(flush_dir: str) -> bool:
+    """Is ``flush_dir`` this user's private directory? Whoever else can write there
+    (another user's directory, one writable by group or others) could forge flushed
+    snapshots: nothing is read from it then. Reported once."""
+    why = paths.private_problem(flush_dir, follow=True)
+    if why is None or why == "does not exist":
+        return why is None
+    if (flush_dir, why) not in _reported:
+        _reported.add((flush_dir, why))
+        reft_print(f"--reft-flush-dir: {flush_dir} {why}: its flushed snapshots are not "
+                   f"loaded (whoever else can write there could forge them); point "
+                   f"--reft-flush-dir at a directory only this user can write (chmod 700)",
+                   event="untrusted_file", path=flush_dir, kind="flushed", why=why)
+    return False
 
 
 def torn_flush(flush_dir: str, rank: int) -> bool:
@@ -52,6 +69,8 @@ def torn_flush(flush_dir: str, rank: int) -> bool:
 def flushed_manifests(flush_dir: str, rank: int) -> dict[int, dict]:
     """slot -> manifest of this rank's flushed slots whose data file is whole."""
     out = {}
+    if not trusted_flush_dir(flush_dir):
+        return out
     for p in glob.glob(os.path.join(flush_dir, f"rank{rank}.slot*.json")):
         m = re.search(r"\.slot(\d+)\.json$", p)
         try:
@@ -68,7 +87,7 @@ def flushed_manifests(flush_dir: str, rank: int) -> dict[int, dict]:
 def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | None:
     """Put this rank's flushed slots into its store when they are newer than what memory
     holds; returns the newest imported iteration, or None."""
-    if not flush_dir or not os.path.isdir(flush_dir):
+    if not flush_dir or not os.path.isdir(flush_dir) or not trusted_flush_dir(flush_dir):
         return None
     if torn_flush(flush_dir, store.rank):
         return None

@@ -2,9 +2,16 @@
 
     <shm>/reft-<job>-node<n>/                  a failure domain's directory (its segments:
                                               slots, commit pointers, heartbeats, AOR)
-    <shm>/reft-<job>-node<n>.status.json       beside it, not inside (see cluster/status.py)
-    <shm>/reft-<job>-node<n>.watcher.pid
-    <shm>/reft-<job>-node<n>.handover-<key>.json
+    <shm>/reft-<job>-node<n>.meta/             beside it, not inside (it outlives a wipe of
+                                              the node's memory; see cluster/status.py),
+                                              private (0700, this user's) as the node's:
+        status.json  watcher.pid  handover-<key>.json
+
+Nothing is read or written at a world-creatable name of the shared directory itself:
+whoever else can write there could plant a file (a FINISHED status, a pid file) that
+another user's job would trust or fail on. :func:`ensure_private` creates such a
+directory or refuses one that is not this user's; :func:`read_private` reads a file
+only from a private directory, only when it is this user's own regular file.
 
 A failure domain is addressed as the segment namespace ``<job>-node<n>`` (:func:`domain`)
 inside ``<shm>/reft-<namespace>`` (:func:`job_dir`). Plain Python (no torch): the node's
@@ -13,12 +20,15 @@ watcher, the launcher and ``tools/reft_status.py`` import it.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import re
+import stat
 
 PREFIX = "reft-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+SIDE = ".meta"  # <shm>/reft-<job>-node<n>.meta: the node's private side directory
 
 
 def default_base_dir() -> str:
@@ -47,11 +57,98 @@ def node_dir(shm_dir: str, job: str, node: int) -> str:
     return job_dir(domain(job, node), shm_dir)
 
 
-def node_file(shm_dir: str, job: str, node: int, suffix: str) -> str:
-    """A file next to the node's directory (``suffix`` e.g. ``.status.json``): it stays
-    when the node's memory is wiped. Not name-checked: readers of a foreign job id must
-    get "absent", not an error."""
-    return os.path.join(shm_dir, PREFIX + domain(job, node) + suffix)
+def side_dir(shm_dir: str, job: str, node) -> str:
+    """``<shm>/reft-<job>-node<n>.meta``: the node's private side directory, next to its
+    shared-memory directory (it stays when the node's memory is wiped). Not
+    name-checked: readers of a foreign job id must get "absent", not an error."""
+    return os.path.join(shm_dir, PREFIX + domain(job, node) + SIDE)
+
+
+def node_file(shm_dir: str, job: str, node: int, name: str) -> str:
+    """A file of the node's side directory (``name`` e.g. ``status.json``)."""
+    return os.path.join(side_dir(shm_dir, job, node), name)
+
+
+def side_glob(shm_dir: str, job: str, name: str) -> str:
+    """Glob pattern of one file (``name``, a glob pattern itself) in every node's side
+    directory of a job."""
+    return os.path.join(shm_dir, PREFIX + domain(glob.escape(job), "*") + SIDE, name)
+
+
+def side_node_of(path: str, job: str) -> int | None:
+    """The node index of a path matched by :func:`side_glob`, else None."""
+    return node_of(os.path.dirname(path), job, SIDE)
+
+
+class PrivateDirError(PermissionError):
+    """A directory REFT writes into or reads from is not this user's private one."""
+
+    def __str__(self) -> str:  # the one-line message, without "[Errno 13]"
+        return self.strerror or super().__str__()
+
+
+def private_problem(path: str, *, follow: bool = False) -> str | None:
+    """Why ``path`` is not this user's private directory (absent, not a directory,
+    another user's, writable by group or others), or None when it is. ``follow``:
+    ``path`` itself may be a symbolic link (to a directory that passes)."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        return "does not exist"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory" + ("" if follow or not stat.S_ISLNK(st.st_mode)
+                                       else " (a symbolic link)")
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def ensure_private(path: str, what: str, advice: str, *, fix_mode: bool = True,
+                   follow: bool = False) -> str:
+    """Create ``path`` (0700), or take an existing one only if it is this user's
+    directory: :class:`PrivateDirError`, one line naming it, otherwise. ``fix_mode``:
+    a directory of this user open to group or others is made 0700 (else refused)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    why = private_problem(path, follow=follow)
+    if why is not None and fix_mode and why.startswith("is writable by group"):
+        os.chmod(path, 0o700)
+        why = private_problem(path, follow=follow)
+    if why is not None:
+        raise PrivateDirError(errno.EACCES, f"{what}: {path} {why}: not used. {advice}")
+    return path
+
+
+def ensure_side_dir(shm_dir: str, job: str, node: int) -> str:
+    """The node's side directory, created private or refused (:func:`ensure_private`)."""
+    return ensure_private(
+        side_dir(shm_dir, job, node), "--reft-shm-dir",
+        "Start this job with another --reft-job-id (or --reft-shm-dir), or remove it if "
+        "the job that made it is over")
+
+
+def read_private(path: str) -> str | None:
+    """The text of ``path`` if it is this user's own regular file (not a symbolic link,
+    not writable by group or others) in this user's private directory; else None, as
+    for an absent file: a file another user could have planted is never trusted."""
+    if private_problem(os.path.dirname(path) or ".") is not None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or \
+                st.st_mode & 0o022:
+            return None
+        with os.fdopen(os.dup(fd), "r") as f:
+            return f.read()
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def node_glob(shm_dir: str, job: str, suffix: str = "") -> str:

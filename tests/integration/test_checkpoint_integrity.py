@@ -6,6 +6,7 @@ at --load, the newest older one that verifies loaded instead
 import io
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -112,6 +113,13 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_one_loaded(tmp_path, ref
     first = torchrun(4, LAYOUT + ["--save", save, "--save-interval", "2",
                                   "--exit-interval", "4"]).check()
     assert "saved checkpoint at iteration       4" in first.output
+    # the user's alone (docs/security.md): directories 0700, tracker and index 0600
+    modes = {p: stat.S_IMODE(os.stat(os.path.join(save, p)).st_mode) for p in
+             ("", "iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt",
+              f"iter_0000004/{INDEX}")}
+    assert modes == {"": 0o700, "iter_0000002": 0o700, "iter_0000004": 0o700,
+                     "latest_checkpointed_iteration.txt": 0o600,
+                     f"iter_0000004/{INDEX}": 0o600}, modes
     shard, _ = flip_bit_of_element(os.path.join(save, "iter_0000004"), ".exp_avg_sq",
                                    element=7, bit=30)
     run = torchrun(4, LAYOUT + ["--save", save, "--load", save]).check()
