@@ -14,7 +14,7 @@ RUN_DIR ?= runs/default
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run run-inprocess demo test test-all chaos bench clean
+.PHONY: install run run-inprocess demo demo-nodes test test-all chaos bench clean
 
 $(STAMP): setup.py pyproject.toml constraints.txt csrc/setup_ext.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,18 @@ DEMO_FAULTS ?= 1:150,2:250:KILL:node:1
 demo: install
 	$(PY) tools/demo.py --run-dir $(DEMO_DIR) --nproc $(NPROC) \
 	    --compare $(RUN_DIR)/train.log -- $(JOB_ARGS) --inject-fault $(DEMO_FAULTS) $(ARGS)
+
+# The same job on 2 nodes x 2 ranks (--reft-ranks-per-node 2), each node holding one rank
+# of each pipeline stage (--use-tp-pp-dp-mapping): the placement keeps every ARC and AOR
+# copy on the other node (docs/reft.md, "Placement"), and node 1 (ranks 2 and 3 with its
+# shared memory) is lost at iteration 250. The failure-free run of this layout
+# (runs/nodes) is made first when missing.
+NODES_ARGS = --use-tp-pp-dp-mapping --reft-ranks-per-node 2
+demo-nodes: install
+	test -f runs/nodes/train.log || $(MAKE) run RUN_DIR=runs/nodes ARGS="$(NODES_ARGS)"
+	$(PY) tools/demo.py --run-dir runs/demo-nodes --nproc $(NPROC) \
+	    --compare runs/nodes/train.log --compare-checkpoint runs/nodes/checkpoints -- \
+	    $(JOB_ARGS) $(NODES_ARGS) --inject-fault 2:250:KILL:node $(ARGS)
 
 # `make test` (CI, ~11 min on 2 cores) covers every capability end to end once;
 # `make test-all` adds the other layouts and schemes of the long recovery tests (~16 min).

@@ -222,20 +222,10 @@ class ReftConfig(ReftFlags):
                                   f"multiple of {self.ranks_per_node}")
 
     def validate_layout(self, world_size: int, dp_groups: list[list[int]]) -> None:
-        """:meth:`validate_parallel`, and arc/aec/aor need every sharding group spread
-        over failure domains, one member per domain, or a node loss takes a slice and
-        its redundancy together."""
+        """:meth:`validate_parallel` per sharding group; where each group's redundancy
+        may live is reft_ext/protect/placement.py's ``check_placement`` (which calls
+        this first)."""
         self.validate_parallel(world_size, min((len(g) for g in dp_groups), default=0))
-        if (self.redundancy == "none" and not self.aor) or not self.enabled:
-            return
-        for group in dp_groups:
-            nodes = [self.node_of(r) for r in group]
-            if len(set(nodes)) != len(nodes):
-                raise ReftConfigError(
-                    f"--reft-protect {self.protect}: sharding group (ranks {group}) has two "
-                    f"members in one failure domain (nodes {nodes}, --reft-ranks-per-node "
-                    f"{self.ranks_per_node}); a node loss would take both. Lower "
-                    f"--reft-ranks-per-node or change the layout")
 
     # ---- flags (add_arguments: reft_ext/flags.py) ---------------------------------
     @classmethod

@@ -242,7 +242,7 @@ class ReftSession(_Trace):
         from reft_ext.load.reshard import reshard_from_memory
 
         # after an elastic shrink (docs/nodes.md): the old job's snapshots, resharded
-        it = reshard_from_memory(self.snap, persistent_iteration)
+        it = reshard_from_memory(self.snap, persistent_iteration, direct=self.fused_load)
         if it is not None:
             self.count_recovery("memory, resharded after a shrink")
             return it

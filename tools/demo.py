@@ -22,7 +22,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHOW = re.compile(r"\[FAULT\]|\[REFT\] (recovery|recovered iteration \d+ on rank 0|summary)|"
+SHOW = re.compile(r"\[FAULT\]|\[REFT\] (placement|recovery|recovered iteration \d+ on rank 0|"
+                  r"summary)|"
                   r" iteration +\d+/|restart|Restart|\[HASH\]")
 FAULT = re.compile(r"\[FAULT\] injecting (\w+) into rank (\d+) .*at iteration (\d+)(.*)")
 RECOVERY = re.compile(r"\[REFT\] recovery: iteration (\d+) restored on \d+ ranks from (.+) "

@@ -49,6 +49,10 @@ def _add_parallel_args(p):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp: pipeline "
+                        "stages are neighbours (inside a node), data-parallel replicas "
+                        "far apart (across nodes)"),
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="ZeRO-1: shard optimizer state across data-parallel ranks")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
@@ -254,6 +258,12 @@ def validate_args(args):
     return args
 
 
+def rank_order(args) -> str:
+    """megatron-core's rank order for this job (--use-tp-pp-dp-mapping)."""
+    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) \
+        else "tp-cp-ep-dp-pp"
+
+
 def _validate_reft(args):
     from reft_ext.config import ReftConfig, ReftConfigError
     from reft_ext.cluster.health_config import HealthConfig
@@ -272,6 +282,13 @@ def _validate_reft(args):
     try:  # the library's layout checks (the snapshotter repeats them per sharding group)
         cfg.validate_parallel(args.world_size, args.data_parallel_size,
                               bool(args.use_distributed_optimizer))
+        if cfg.ranks_per_node and args.world_size % cfg.ranks_per_node == 0:
+            from reft_ext.protect.placement import check_placement, megatron_dp_groups
+
+            # before any process group: the placement of megatron-core's own groups
+            check_placement(cfg, args.world_size, megatron_dp_groups(
+                args.world_size, args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size, order=rank_order(args)))
     except ReftConfigError as exc:
         raise ArgumentError(str(exc)) from None
     if not cfg.enabled and cfg.protect != "none":

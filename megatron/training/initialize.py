@@ -12,6 +12,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
 from megatron.training import cpu_compat, inprocess_generation
+from megatron.training.arguments import rank_order
 
 
 def _free_port() -> int:
@@ -65,6 +66,7 @@ def initialize_distributed(args) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        order=rank_order(args),
     )
     inprocess_generation.after_initialize()  # the groups an in-process restart rebinds
 

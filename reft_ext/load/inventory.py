@@ -24,12 +24,16 @@ REGIONS = (Region.OWN, Region.REDUNDANCY, Region.OWNED, Region.AOR)
 @dataclass(frozen=True)
 class Held:
     """One rank's snapshot of one iteration: its slot, a flag per region (True verified,
-    False failed, unusable or absent, None not verified yet) and whose optimizer shard
-    its AOR region holds."""
+    False failed, unusable or absent, None not verified yet), whose optimizer shard
+    its AOR region holds, and the checksum its writer recorded for each region (with
+    the algorithm): a peer that receives those bytes during the restore checks them
+    against it (reft_ext/load/received.py)."""
 
     slot: int
     ok: Mapping[Region, bool | None]
     aor_owner: int | None = None
+    sums: Mapping[Region, int] = field(default_factory=dict)
+    algorithm: str = "crc32"
 
     def has(self, region: Region) -> bool | None:
         return self.ok.get(region, False)
@@ -40,7 +44,9 @@ class Held:
         if isinstance(obj, Held):
             return obj
         return cls(obj["slot"], {Region(k): v for k, v in obj["ok"].items()},
-                   obj.get("aor_owner"))
+                   obj.get("aor_owner"),
+                   {Region(k): int(v) for k, v in obj.get("sums", {}).items()},
+                   obj.get("algorithm", "crc32"))
 
 
 def as_inventories(inventories: list) -> list[dict[int, Held]]:
@@ -116,7 +122,10 @@ def take_inventory(manifests: dict[int, dict], fmt: SlotFormat, verify_all: bool
                 continue
             flags[region] = None if (usable and lazy) else \
                 (usable and verify(slot, m, region))
-        out.setdefault(int(m["iteration"]), Held(slot, flags, aor.get("owner")))
+        sums = {Region(r): int(v[2]) for r, v in m.get("regions", {}).items()
+                if len(v) > 2} if usable else {}
+        out.setdefault(int(m["iteration"]), Held(slot, flags, aor.get("owner"), sums,
+                                                 m.get("checksum", "crc32")))
     return out
 
 
@@ -124,7 +133,8 @@ def take_inventory(manifests: dict[int, dict], fmt: SlotFormat, verify_all: bool
 @dataclass(frozen=True)
 class OldHeld:
     """A survivor's snapshot of one iteration of the old job: which old slices it holds
-    (old member index -> the region of its slot that holds it)."""
+    (old member index -> the region of its slot that holds it) and the checksum recorded
+    for each (a receiver checks what it gets against it)."""
 
     slot: int
     old_group: list[int]
@@ -132,6 +142,8 @@ class OldHeld:
     slice: int
     have: Mapping[int, Region]
     protection: str
+    sums: Mapping[int, int] = field(default_factory=dict)
+    algorithm: str = "crc32"
 
 
 @dataclass(frozen=True)
@@ -150,7 +162,9 @@ class Offer:
             return obj
         iters = {int(it): OldHeld(e["slot"], list(e["old_group"]), e["D"], e["slice"],
                                   {int(j): Region(r) for j, r in e["have"].items()},
-                                  e["protection"])
+                                  e["protection"],
+                                  {int(j): int(c) for j, c in e.get("sums", {}).items()},
+                                  e.get("algorithm", "crc32"))
                  for it, e in obj["iters"].items()}
         return cls(obj["old_rank"], iters, obj.get("why", ""))
 
@@ -179,7 +193,9 @@ def take_offer(manifests: dict[int, dict], note: dict, replicated_sig: list,
         # an AEC parity block of a group of 2 is the other member's slice
         if (prot == "arc" or (prot == "aec" and D == 2)) and D > 1 and \
                 verify(slot, m, Region.REDUNDANCY):
-            have[(member + 1) % D] = Region.REDUNDANCY
+            j = m.get("replica_of")  # ARC: the placement's ring (aec of 2: the other one)
+            have[(member + 1) % D if j is None else j] = Region.REDUNDANCY
+        sums = {j: int(m["regions"][r][2]) for j, r in have.items()}
         iters[int(m["iteration"])] = OldHeld(slot, m["dp_ranks"], D, sig["slice_bytes"],
-                                             have, prot)
+                                             have, prot, sums, m.get("checksum", "crc32"))
     return Offer(note["rank"], iters, why)

@@ -24,7 +24,8 @@ from reft_ext.load.errors import (BeyondProtection, MissingHandover, MixedOldGro
                                   NoSnapshot, OtherWorldSize, OwnedStateLost,
                                   PersistentIsNewer, SlicesLeft, Unrestorable)
 from reft_ext.load.inventory import Held, Offer, as_inventories, flag
-from reft_ext.protect.schemes import make_protection
+from reft_ext.protect.placement import Placement, place
+from reft_ext.protect.schemes import Protection, make_protection
 from reft_ext.state.regions import Region, Source
 
 T = TypeVar("T")
@@ -38,6 +39,11 @@ class JobFacts:
     scheme: str              # --reft-protect: none | arc | aec
     owned_needed: bool       # ranks have owned (ZeRO-1) state to restore
     aor: bool = False        # AOR keeps a host replica of every owned shard
+    ranks_per_node: int = 1  # consecutive ranks per failure domain (the placement's)
+
+    def placement(self, ranks: list[int]) -> Placement:
+        """Who keeps whose redundancy in the group ``ranks`` (as REFT-save placed it)."""
+        return place(ranks, self.ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -79,29 +85,29 @@ class RecoveryPlan:
 
 
 def owned_source(inventories: list[dict[int, Held]], ranks: list[int], r: int,
-                 it: int) -> int | None:
-    """Where rank r's owned (ZeRO-1) state of iteration ``it`` comes from: r itself, the
-    AOR holder (member d-1 keeps member d's replica) or None."""
+                 it: int, ranks_per_node: int = 1) -> int | None:
+    """Where rank r's owned (ZeRO-1) state of iteration ``it`` comes from: r itself, its
+    AOR holder (the member before it on the placement's ring) or None."""
     if flag(inventories, r, it, Region.OWNED):
         return r
-    h = ranks[(ranks.index(r) - 1) % len(ranks)]
+    p = place(ranks, ranks_per_node)
+    h = p.ranks[p.holder(p.ranks.index(r))]
     if flag(inventories, h, it, Region.AOR) and inventories[h][it].aor_owner == r:
         return h
     return None
 
 
-def _exchange(slices: dict[int, Source], red_ok: list[bool], scheme: str,
-              sources: Callable[[int], list[int]]):
+def _exchange(slices: dict[int, Source], red_ok: list[bool], protection: Protection):
     """What each member holds locally (its own slice unless lost, its verified ARC
-    replica of the next one) and who sends each slice to the members that lack it."""
-    D = len(slices)
+    replica) and who sends each slice to the members that lack it."""
+    D, sources = len(slices), protection.sources
     held = []
     for m in range(D):
         h = {}
         if slices[m] == Source.OWN:
             h[m] = Region.OWN
-        if scheme == "arc" and red_ok[m]:
-            h[(m + 1) % D] = Region.REDUNDANCY
+        if protection.replica_of(m) is not None and red_ok[m]:
+            h[protection.replica_of(m)] = Region.REDUNDANCY
         held.append(h)
     sends = []
     for j in range(D):
@@ -115,7 +121,7 @@ def _exchange(slices: dict[int, Source], red_ok: list[bool], scheme: str,
 def plan_group(inventories: list[dict[int, Held]], job: JobFacts, ranks: list[int],
                it: int) -> GroupPlan:
     """One sharding group's plan for iteration ``it``, or :class:`Unrestorable`."""
-    protection = make_protection(job.scheme, len(ranks))
+    protection = make_protection(job.scheme, job.placement(ranks))
     own_ok = [flag(inventories, r, it, Region.OWN) for r in ranks]
     red_ok = [flag(inventories, r, it, Region.REDUNDANCY) for r in ranks]
     how = protection.plan(own_ok, red_ok)
@@ -125,7 +131,8 @@ def plan_group(inventories: list[dict[int, Held]], job: JobFacts, ranks: list[in
     slices = {d: Source(h) for d, h in how.items()}
     owned = {}
     if job.owned_needed:
-        owned = {r: owned_source(inventories, ranks, r, it) for r in ranks}
+        owned = {r: owned_source(inventories, ranks, r, it, job.ranks_per_node)
+                 for r in ranks}
         lost = [r for r in ranks if owned[r] is None]
         if lost:
             raise OwnedStateLost(lost, job.aor)
@@ -135,8 +142,7 @@ def plan_group(inventories: list[dict[int, Held]], job: JobFacts, ranks: list[in
         if not own:
             raise NoMetadataSource(ranks)
         meta_from = min(own)
-    held, sends = _exchange(slices, [bool(x) for x in red_ok], protection.name,
-                            protection.sources)
+    held, sends = _exchange(slices, [bool(x) for x in red_ok], protection)
     rebuild = [(d, protection.sources(d)) for d in sorted(slices)
                if slices[d] == Source.PARITY]
     return GroupPlan(list(ranks), slices, owned, meta_from, held, sends, rebuild)
@@ -181,12 +187,13 @@ def plan_recovery(inventories: list, job: JobFacts, persistent: int | None,
     it, groups = choose_iteration(candidates, lambda i: plan_iteration(inventories, job, i),
                                   persistent)
     tier = recovery_tier(inventories, job.groups, it,
-                         {gi: g.slices for gi, g in groups.items()}, job.owned_needed)
+                         {gi: g.slices for gi, g in groups.items()}, job.owned_needed,
+                         job.ranks_per_node)
     return RecoveryPlan(it, groups, tier)
 
 
 def recovery_tier(inventories: list, groups: list[list[int]], it: int, plans: dict,
-                  owned_needed: bool) -> str:
+                  owned_needed: bool, ranks_per_node: int = 1) -> str:
     """The job-wide source of a recovery, for the [REFT] lines and the run summary:
     "own memory" when every rank reloads its own snapshot, else the redundancy that
     rebuilt what was lost ("ARC replica", "AEC parity", "+ AOR replica").
@@ -194,7 +201,7 @@ def recovery_tier(inventories: list, groups: list[list[int]], it: int, plans: di
     inventories = as_inventories(inventories)
     used = {Source(how) for plan in plans.values() for how in plan.values()} - {Source.OWN}
     parts = [h.label for h in sorted(used)]
-    if owned_needed and any(owned_source(inventories, ranks, r, it) != r
+    if owned_needed and any(owned_source(inventories, ranks, r, it, ranks_per_node) != r
                             for ranks in groups for r in ranks):
         parts.append("AOR replica")
     return " + ".join(parts) if parts else "own memory"

@@ -26,6 +26,7 @@ from reft_ext import _native
 from reft_ext.load.errors import RecoveryError
 from reft_ext.load.fused import load_verified
 from reft_ext.load.inventory import take_inventory
+from reft_ext.load.received import Received, outgoing
 from reft_ext.load.planning import (GroupPlan, RecoveryPlan, needs_full_verify,
                                     other_world_size, owned_source, plan_recovery,
                                     recovery_tier)
@@ -48,8 +49,8 @@ def _fuse(v: SnapshotView, slot: int, m: dict) -> dict:
     source unless this slot's verified region is the one the plan restores)."""
     lay, L, D = v.layout, v.layout.slice_bytes, v.D
     targets = {Region.OWN: (lay.replicated, v.member * L), Region.OWNED: (lay.owned, 0)}
-    if v.protection.name == "arc" and D > 1:
-        targets[Region.REDUNDANCY] = (lay.replicated, ((v.member + 1) % D) * L)
+    if v.protection.replica_of(v.member) is not None and D > 1:
+        targets[Region.REDUNDANCY] = (lay.replicated, v.protection.replica_of(v.member) * L)
     try:
         data = v.store.data(slot, m["nbytes"])
     except (OSError, ValueError):
@@ -60,61 +61,93 @@ def _fuse(v: SnapshotView, slot: int, m: dict) -> dict:
     return dict(zip(targets, load_verified(jobs, m.get("checksum", "crc32"))))
 
 
-def _distribute(v: SnapshotView, g: GroupPlan, data, it: int) -> dict:
+def _distribute(v: SnapshotView, g: GroupPlan, data, it: int, rx: Received) -> dict:
     """Every member ends with every slice it can get without decoding: its own, its ARC
-    replica, and those sent by their holders (``g.sends``) in restoring iteration ``it``.
-    Returns slice index -> uint8 tensor."""
+    replica, and those sent by their holders (``g.sends``) in restoring iteration ``it``,
+    each checked against its holder's checksum (``rx``). Returns slice index -> uint8
+    tensor."""
     L = v.layout.slice_bytes
     slices = {j: data[v.regions[r][0]:v.regions[r][0] + L]
               for j, r in g.held[v.member].items()}
-    reqs = []
+    reqs, got = [], []
     for j, provider, m in g.sends:
         if v.member == provider:
-            reqs.append(torch.distributed.isend(slices[j], dst=v.dp_ranks[m],
+            payload = outgoing(slices[j], it, f"slice {j} (rank {v.dp_ranks[j]}'s)",
+                               v.dp_ranks[m])
+            reqs.append(torch.distributed.isend(payload, dst=v.dp_ranks[m],
                                                 group=v.dp_group, tag=j))
         elif v.member == m:
             slices[j] = torch.empty(L, dtype=torch.uint8)
             reqs.append(torch.distributed.irecv(slices[j], src=v.dp_ranks[provider],
                                                 group=v.dp_group, tag=j))
+            got.append((j, provider))
     # (tests) a kill while the exchange is in flight: posted, not yet complete
     fault_point("load-exchange", iteration=it)
     for r in reqs:
         r.wait()
+    for j, provider in got:
+        src = v.dp_ranks[provider]
+        rx.check(slices[j], f"slice {j} (rank {v.dp_ranks[j]}'s)", src, src,
+                 g.held[provider][j])
     return slices
 
 
-def _rebuild(v: SnapshotView, g: GroupPlan, data, slices: dict) -> None:
-    """Lost slices without a replica: rebuilt from the parity blocks of the others."""
+def _rebuild(v: SnapshotView, g: GroupPlan, data, slices: dict, it: int,
+             rx: Received) -> None:
+    """Lost slices without a replica: rebuilt from the parity blocks of the others (each
+    checked against its holder's checksum; the rebuilt slice against its owner's where
+    the owner's manifest survived, e.g. a flipped byte rather than a lost node)."""
     off, n = v.regions[Region.REDUNDANCY]
     for lost, members in g.rebuild:
         redundancy = {}
         for m in members:
-            block = data[off:off + n] if m == v.member else torch.empty(n, dtype=torch.uint8)
-            torch.distributed.broadcast(block, src=v.dp_ranks[m], group=v.dp_group)
+            src = v.dp_ranks[m]
+            block = outgoing(data[off:off + n], it, "parity block", -1) \
+                if m == v.member else torch.empty(n, dtype=torch.uint8)
+            torch.distributed.broadcast(block, src=src, group=v.dp_group)
+            if m != v.member:
+                rx.check(block, f"the {v.protection.name} parity block", src, src,
+                         Region.REDUNDANCY)
             redundancy[m] = block
         slices[lost] = torch.empty(v.layout.slice_bytes, dtype=torch.uint8)
         v.protection.recover(lost, slices, redundancy, slices[lost])
+        owner = v.dp_ranks[lost]
+        rx.check(slices[lost], f"slice {lost} rebuilt from parity", owner, owner,
+                 Region.OWN)
 
 
-def _restore_owned(v: SnapshotView, g: GroupPlan, data, written: bool = False) -> int | None:
-    """Owned state from this rank's own snapshot, or, for a rank that lost it, from its
-    AOR holder's replica (sent point-to-point within the sharding group). Returns the
-    holder's rank when the replica was used. ``written``: round 1 already restored this
-    rank's own owned state from this slot, verified."""
-    if g.owned_from[v.rank] == v.rank and not written:
-        off, n = v.regions[Region.OWNED]
-        v.layout.owned.write(0, data[off:off + n])
+def _receive_aor(v: SnapshotView, g: GroupPlan, data, it: int,
+                 rx: Received) -> tuple[int, torch.Tensor] | None:
+    """For a rank that lost its owned state: its AOR holder's replica of it (sent
+    point-to-point within the sharding group, checked against the holder's checksum).
+    Returns (holder rank, bytes), or None when this rank keeps its own."""
     off, n = v.regions[Region.AOR]
     got = None
     for holder, r in g.aor_sends:  # same order on every member: one exchange per lost rank
         if v.rank == holder:
-            torch.distributed.send(data[off:off + n], dst=r, group=v.dp_group)
+            torch.distributed.send(outgoing(data[off:off + n], it, "AOR replica", r),
+                                   dst=r, group=v.dp_group)
         elif v.rank == r:  # the holder's aor region is sized by this rank's shard
             buf = torch.empty(v.aor_owner.spec.nbytes, dtype=torch.uint8)
             torch.distributed.recv(buf, src=holder, group=v.dp_group)
-            v.aor_owner.unpack_state(buf)
-            got = holder
+            rx.check(buf, "the AOR replica of its optimizer shard", holder, holder,
+                     Region.AOR)
+            got = (holder, buf)
     return got
+
+
+def _restore_owned(v: SnapshotView, g: GroupPlan, data, aor, written: bool) -> int | None:
+    """Owned state from this rank's own snapshot, or from its AOR holder's replica
+    (``aor``: what :func:`_receive_aor` returned). Returns the holder's rank when the
+    replica was used. ``written``: round 1 already restored this rank's own owned state
+    from this slot, verified."""
+    if g.owned_from[v.rank] == v.rank and not written:
+        off, n = v.regions[Region.OWNED]
+        v.layout.owned.write(0, data[off:off + n])
+    if aor is None:
+        return None
+    v.aor_owner.unpack_state(aor[1])
+    return aor[0]
 
 
 def _other_world_size(v: SnapshotView, manifests: dict):
@@ -130,7 +163,7 @@ def _other_world_size(v: SnapshotView, manifests: dict):
 def _agree(v: SnapshotView, manifests: dict, persistent: int | None,
            max_iteration: int | None, fused: dict | None):
     """Rounds 1 (and, where the decision depends on what it left unverified, 2) of
-    inventory + plan: (plan or the RecoveryError, this rank's inventory)."""
+    inventory + plan: (plan or the RecoveryError, every rank's inventory)."""
     fmt, facts = v.slot_format, v.facts
     for verify_all in (False, True):
         mine = take_inventory(manifests, fmt, verify_all, v.store.verify,
@@ -144,7 +177,7 @@ def _agree(v: SnapshotView, manifests: dict, persistent: int | None,
         if not needs_full_verify(inventories, None if isinstance(plan, RecoveryError)
                                  else plan):
             break
-    return plan, mine
+    return plan, inventories
 
 
 @torch.no_grad()
@@ -189,7 +222,7 @@ def recover(s, persistent: int | None,
                    f"any pointer moved)",
                    event="commit_pointers_differ", oldest=oldest, newest=committed)
     max_iteration = committed if max_iteration is None else min(max_iteration, committed)
-    plan, mine = _agree(v, manifests, persistent, max_iteration, fused)
+    plan, inventories = _agree(v, manifests, persistent, max_iteration, fused)
     t_verify = time.perf_counter()
     if isinstance(plan, RecoveryError):
         why = _other_world_size(v, manifests) or plan
@@ -199,35 +232,48 @@ def recover(s, persistent: int | None,
         return None
     # (tests) a kill after the inventory reads (round 1 may have loaded into the model)
     fault_point("load-read", iteration=plan.iteration)
+    if not _restore(v, plan, inventories, manifests, fused, c, (t0, t_verify)):
+        return None
     s.recovered_from = plan.tier  # (the snapshotter keeps it for the trainer's summary)
-    _restore(v, plan, mine, manifests, fused, c, (t0, t_verify))
     return plan.iteration
 
 
-def _restore(v: SnapshotView, plan: RecoveryPlan, mine: dict, manifests: dict,
-             fused: dict | None, c: dict | None, t: tuple[float, float]) -> None:
-    """Do this rank's part of ``plan``, then log it."""
+def _restore(v: SnapshotView, plan: RecoveryPlan, inventories: list, manifests: dict,
+             fused: dict | None, c: dict | None, t: tuple[float, float]) -> bool:
+    """Do this rank's part of ``plan``, then log it. False (nothing written, every rank
+    agrees) when bytes received from a peer failed their checksum."""
     t0, t_verify = t
     it, g = plan.iteration, plan.groups[v.group_index]
     lay, L, member = v.layout, v.layout.slice_bytes, v.member
-    entry = mine.get(it)
+    entry = inventories[v.rank].get(it)
     manifest = manifests[entry.slot] if entry else None
     data = v.store.data(entry.slot, v.nbytes) if entry else None
+    rx = Received(v.rank, it, inventories)
     # 1. what each member already holds (own slice, ARC replica of the next one), and
     #    who sends each slice to the members that lack it (point-to-point)
-    slices = _distribute(v, g, data, it)
+    slices = _distribute(v, g, data, it, rx)
     t_gather = time.perf_counter()
-    # 2. lost slices without a replica: rebuilt from the parity blocks of the others
-    _rebuild(v, g, data, slices)
+    # 2. lost slices without a replica: rebuilt from the parity blocks of the others;
+    #    an owned shard lost with its rank: its AOR replica
+    _rebuild(v, g, data, slices, it, rx)
+    aor = _receive_aor(v, g, data, it, rx) if lay.owned.nbytes else None
     t_rebuild = time.perf_counter()
-    # 3. write the replicated state back, then owned state and metadata; slices that
+    # 3. nothing received from a peer is written before every rank checked what it got
+    if not rx.agree(v.control_group):
+        if v.rank == 0:
+            reft_print(f"recovery from host memory refused: data received from peers "
+                       f"while restoring iteration {it} failed its checksums (the lines "
+                       f"of the ranks that received it); falling back", event="recovery_impossible",
+                       reason="received data failed its checksum")
+        return False
+    # 4. write the replicated state back, then owned state and metadata; slices that
     #    round 1 already wrote from this slot, verified, are in place (own slice, and
     #    the ARC replica of the next one, which _distribute uses when it verified)
     verified = {r for r, ok in (fused or {}).items() if entry and ok == (entry.slot, True)}
     mine_own = g.slices[member] == Source.OWN
     done = {member} if mine_own and Region.OWN in verified else set()
     if Region.REDUNDANCY in verified:
-        done.add((member + 1) % v.D)
+        done.add(v.protection.replica_of(member))
     for d in range(v.D):
         if d not in done:
             lay.replicated.write(d * L, slices[d])
@@ -243,7 +289,7 @@ def _restore(v: SnapshotView, plan: RecoveryPlan, mine: dict, manifests: dict,
         meta = manifest["meta"]
     aor_from = None
     if lay.owned.nbytes:
-        aor_from = _restore_owned(v, g, data, written=Region.OWNED in verified)
+        aor_from = _restore_owned(v, g, data, aor, written=Region.OWNED in verified)
     v.set_meta(from_jsonable(meta))
     if entry and (c is None or (c.get("slot"), int(c.get("iteration", -1))) !=
                   (entry.slot, it)):
@@ -272,3 +318,4 @@ def _restore(v: SnapshotView, plan: RecoveryPlan, mine: dict, manifests: dict,
                    f"{plan.tier} in {stats.item():.1f} ms", event="recovery",
                    iteration=it, ranks=v.world_size, source=plan.tier,
                    ms=stats.item())
+    return True

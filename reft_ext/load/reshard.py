@@ -28,6 +28,7 @@ from reft_ext.cluster.shrink import take_handover, write_handover
 from reft_ext.load.errors import RecoveryError
 from reft_ext.load.inventory import Offer, take_offer
 from reft_ext.load.planning import plan_reshard
+from reft_ext.load.received import Received, outgoing
 from reft_ext.load.view import SnapshotView
 from reft_ext.report.events import reft_print
 from reft_ext.store.slots import SnapshotStore, from_jsonable
@@ -43,10 +44,15 @@ def _offer(v: SnapshotView, note: dict) -> tuple[Offer, SnapshotStore]:
 
 
 @torch.no_grad()
-def reshard_from_memory(s, persistent: int | None) -> int | None:
+def reshard_from_memory(s, persistent: int | None, direct: bool = True) -> int | None:
     """Collective. None (and nothing done) when no rank has a handover note, i.e. the job
-    did not just shrink; None with a logged reason (a RecoveryError) when memory cannot
-    serve it."""
+    did not just shrink; None with a logged reason (a RecoveryError, or a slice received
+    from a peer that failed its checksum) when memory cannot serve it.
+
+    ``direct``: each slice goes into the model as it arrives, and one that then fails its
+    checksum is overwritten by the persistent checkpoint the caller falls back to. Without
+    a full persistent load to follow (``persistent`` None, or ``direct`` False: e.g.
+    --no-load-optim) the slices are held until every rank checked its own."""
     v = SnapshotView.of(s)
     note = take_handover(v.shm_dir, v.job_id)
     offer, store = _offer(v, note) if note else (None, None)
@@ -66,14 +72,30 @@ def reshard_from_memory(s, persistent: int | None) -> int | None:
     mine = offer.iters[it]
     manifest = store.manifests()[mine.slot]
     data = store.data(mine.slot, manifest["nbytes"])
-    L = mine.slice
+    L, rx = mine.slice, Received(v.rank, it, [{it: o.iters.get(it)} if o else {}
+                                               for o in offers])
+    held, direct = {}, direct and persistent is not None
     for j, src in enumerate(providers):  # every member ends with every old slice
         if src == v.rank:
             off = manifest["regions"][mine.have[j]][0]
-            buf = data[off:off + L].clone()
+            buf = outgoing(data[off:off + L].clone(), it, f"old slice {j}", -1)
         else:
             buf = torch.empty(L, dtype=torch.uint8)
         torch.distributed.broadcast(buf, src=src, group=v.dp_group)
+        if src != v.rank:
+            rx.check(buf, f"old slice {j}", src, src, j)
+        if direct:
+            v.layout.replicated.write(j * L, buf)
+        else:
+            held[j] = buf
+    if not rx.agree(v.control_group):
+        store.close()
+        if v.rank == 0:
+            reft_print("resharding from host memory after the shrink refused: slices "
+                       "received from peers failed their checksums (the lines above)",
+                       event="reshard_impossible", reason="received data failed its checksum")
+        return None
+    for j, buf in held.items():
         v.layout.replicated.write(j * L, buf)
     v.set_meta(from_jsonable(manifest["meta"]))
     store.close()

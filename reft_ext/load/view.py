@@ -38,6 +38,7 @@ class SnapshotView:
     set_meta: Callable[[dict], None]  # the trainer's metadata (RNG, counters) setter
     job_id: str
     shm_dir: str
+    ranks_per_node: int = 1        # consecutive ranks per failure domain (the placement)
 
     @classmethod
     def of(cls, s) -> "SnapshotView":
@@ -49,7 +50,8 @@ class SnapshotView:
                    regions={Region(k): tuple(v) for k, v in s.regions.items()},
                    nbytes=s.nbytes, store=s.store,
                    aor_owner=s.aor.owner if s.aor is not None else None,
-                   set_meta=a.set_meta, job_id=s.cfg.job_id, shm_dir=s.cfg.shm_dir)
+                   set_meta=a.set_meta, job_id=s.cfg.job_id, shm_dir=s.cfg.shm_dir,
+                   ranks_per_node=s.cfg.ranks_per_node)
 
     @property
     def group_index(self) -> int:
@@ -58,7 +60,7 @@ class SnapshotView:
     @property
     def facts(self) -> JobFacts:
         return JobFacts(self.groups, self.protection.name, self.layout.owned.nbytes > 0,
-                        self.aor_owner is not None)
+                        self.aor_owner is not None, self.ranks_per_node)
 
     @property
     def slot_format(self) -> SlotFormat:

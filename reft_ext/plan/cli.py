@@ -15,6 +15,7 @@ from reft_ext.plan.hardware import CostConfig, HardwareConfig, estimate, measure
 from reft_ext.plan.model import ModelConfig, ParallelConfig
 from reft_ext.plan.planner import Plan, SnapshotConfig
 from reft_ext.plan.reliability import JobReliability, ReliabilityConfig
+from reft_ext.plan.state import group_placement
 
 SECTIONS = ((ModelConfig, "model"), (ParallelConfig, "parallelism"),
             (HardwareConfig, "hardware"), (SnapshotConfig, "REFT"),
@@ -55,8 +56,8 @@ class PlanReport:
     def render(self) -> str:
         if self.plan is None:
             return cost_text(self.cost)
-        parts = [describe(self.plan), stage_tables(self.plan), host_table(self.plan),
-                 reliability_table(self.reliability)]
+        parts = [describe(self.plan), placement_table(self.plan), stage_tables(self.plan),
+                 host_table(self.plan), reliability_table(self.reliability)]
         if self.cost:
             parts.append(cost_text(self.cost))
         return "\n\n".join(parts)
@@ -170,6 +171,27 @@ def describe(plan: Plan) -> str:
                f"({fmt_bytes(dev)} of {fmt_bytes(hw.device_memory)})")
     lines = [model, layout, reft, summary]
     return "\n".join(lines)
+
+
+def placement_table(plan: Plan, rows: int = 64) -> str:
+    """Who keeps whose redundancy in the first sharding group (stage 0, TP rank 0; every
+    group is placed alike): reft_ext/protect/placement.py."""
+    par = plan.par
+    if plan.placement_error is not None:
+        return f"Placement: none ({plan.placement_error})"
+    p = group_placement(par, 0, plan.redundancy)
+    head = (f"Placement of sharding group 0 (ranks {p.ranks[0]}..{p.ranks[-1]}, "
+            f"{len(set(p.domains))} nodes, {p.D // len(set(p.domains))} member(s) per "
+            f"node; every group alike):")
+    body = []
+    for d in p.ring[:rows]:
+        keeps = p.protects(d)
+        group = [p.ranks[m] for m in p.parity_group(d)]
+        body.append([d, p.ranks[d], p.domains[d], f"rank {p.ranks[keeps]} (node "
+                     f"{p.domains[keeps]})", " ".join(map(str, group))])
+    more = f"\n({p.D - rows} more members on the ring)" if p.D > rows else ""
+    return head + "\n\n" + table(["member", "rank", "node", "ARC/AOR: keeps the copy of",
+                                   "AEC parity group (ranks)"], body) + more
 
 
 def stage_tables(plan: Plan) -> str:

@@ -3,7 +3,7 @@
 
 * sizes: :func:`reft_ext.plan.state.rank_snapshot` (``StateLayout`` + ``snapshot_regions``
   over meta tensors),
-* placement: ``ReftConfig.node_of`` / ``ReftConfig.validate_layout``,
+* placement: ``ReftConfig.node_of`` / ``check_placement`` (reft_ext/protect/placement.py),
 * bubbles and the tier split: ``reft_ext.save.bubbles`` (the HAS scheduler's arithmetic).
 
 Estimates that are this module's own (hardware figures in, seconds out) are marked as such
@@ -21,6 +21,7 @@ from reft_ext.plan.common import flag_field as _f
 from reft_ext.plan.hardware import HardwareConfig
 from reft_ext.plan.model import ModelConfig, ParallelConfig
 from reft_ext.plan.state import RankSnapshot, rank_snapshot
+from reft_ext.protect.placement import check_placement
 
 ADAM_HOST_BYTES = 4 + 2 * 12  # AOR's CPU step per element: read grad, read+write p, m, v
 
@@ -121,7 +122,7 @@ class Plan:
                                    "--use-distributed-optimizer")
         self.placement_error = None
         try:
-            self.reft.validate_layout(par.world_size, par.dp_groups())
+            check_placement(self.reft, par.world_size, par.dp_groups())
         except ReftConfigError as exc:
             self.placement_error = str(exc)
         # one layout per (stage, member) and scheme: TP ranks of a stage are alike

@@ -1,8 +1,9 @@
 """Reliability model (REFT section 5) and its Monte-Carlo check.
 
 Nodes fail independently; a node's time to failure is Weibull, survival
-S(t) = exp(-lambda t^c) (t in hours). N nodes sit in N/D groups of D: the failure domains
-of the sharding groups (a group's D members on D different nodes).
+S(t) = exp(-lambda t^c) (t in hours). N nodes sit in N/D groups of D nodes: the nodes a
+sharding group spans (the placement keeps every copy off the node of what it protects,
+so one lost node per group is survivable; reft_ext/protect/placement.py).
 
 * No repair (the paper's Figure 8): with no protection the in-memory state survives to t
   only if every node does, S^N; with protection against k failures per group, only if no
@@ -224,10 +225,12 @@ class JobReliability:
     def __init__(self, plan, cfg: ReliabilityConfig):
         self.plan, self.cfg = plan, cfg
         par = plan.par
-        self.nodes, self.group = par.nodes, par.dp
         lam, c = cfg.weibull_lambda, cfg.weibull_shape
+        # a group of nodes: those a sharding group spans (several members per node: the
+        # placement keeps each redundancy on another node, reft_ext/protect/placement.py)
         groups = {frozenset(plan.reft.node_of(r) for r in g) for g in par.dp_groups()}
-        self.disjoint = all(len(g) == self.group for g in groups) and \
+        self.nodes, self.group = par.nodes, max(len(g) for g in groups)
+        self.disjoint = self.group > 1 and all(len(g) == self.group for g in groups) and \
             sum(len(g) for g in groups) == len({n for g in groups for n in g})
         covered = plan.redundancy != "none" and plan.placement_error is None and \
             (not par.use_distributed_optimizer or plan.snap.aor)

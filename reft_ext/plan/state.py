@@ -28,6 +28,7 @@ import torch
 
 from reft_ext.state.layout import StateLayout
 from reft_ext.plan.model import ModelConfig, ParallelConfig
+from reft_ext.protect.placement import Placement, place, placement_problem
 from reft_ext.protect.schemes import make_protection, snapshot_regions
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -154,12 +155,24 @@ class RankSnapshot:
                 "regions": {k: list(v) for k, v in self.regions.items()}}
 
 
+def group_placement(par: ParallelConfig, rank: int, redundancy: str = "arc",
+                    node_of=None) -> Placement:
+    """The placement of ``rank``'s sharding group, as REFT-save would place it; one that
+    protects nothing (the plan reports why) is sized as if every member had its node."""
+    tp_rank, _, pp_rank = par.coords(rank)
+    group = [par.rank(tp_rank, d, pp_rank) for d in range(par.dp)]
+    of = node_of or par.ranks_per_node
+    if placement_problem(group, of, redundancy if redundancy != "none" else "arc"):
+        return place(group)
+    return place(group, of)
+
+
 def rank_snapshot(model: ModelConfig, par: ParallelConfig, rank: int, redundancy: str,
                   node_of=None) -> RankSnapshot:
     """Size the snapshot of global rank ``rank`` under ``redundancy`` (none/arc/aec)."""
     tp_rank, dp_rank, pp_rank = par.coords(rank)
     rep, own = rank_tensors(model, par, pp_rank, dp_rank)
-    protection = make_protection(redundancy, par.dp)
+    protection = make_protection(redundancy, group_placement(par, rank, redundancy, node_of))
     layout = StateLayout(rep, own, par.dp, dp_rank, protection.sub_blocks())
     model = [t for t in rep + own if not t[0].startswith("optim.")]
     optim = [t for t in rep + own if t[0].startswith("optim.")]

@@ -9,11 +9,14 @@ A scheme has three verbs:
   redundancy block, say how each slice is rebuilt (``None``: the group cannot recover);
 * ``recover(lost, slices, redundancy, out)``: rebuild slice ``lost``.
 
-ARC: member d keeps a replica of slice (d+1) mod D; host bytes 2|P|/D.
-AEC: each slice is cut into D-1 sub-blocks; sub-block k of slice j is XORed into the
-parity of the k-th member other than j. Member m's parity is the XOR of one sub-block of
-every other slice; host bytes |P|/D + |P|/(D(D-1)) = |P|/(D-1). Any one lost slice comes
-back from the D-1 parities of the others and their slices.
+Where each member's redundancy lives is the group's placement
+(reft_ext/protect/placement.py); below, "next" and "parity group" are its.
+ARC: member d keeps a replica of the next member's slice; host bytes 2|P|/D.
+AEC: within a parity group of G members, each slice is cut into G-1 sub-blocks;
+sub-block k of slice j is XORed into the parity of the k-th member other than j. A
+member's parity is the XOR of one sub-block of every other slice of its group; host
+bytes |P|/D + |P|/(D(G-1)) (G = D with one member per node: |P|/(D-1)). Any one lost
+slice per parity group comes back from the G-1 parities of the others and their slices.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from reft_ext.state.layout import StateLayout
 from reft_ext.state.regions import Region, Source
+from reft_ext.protect.placement import Placement, place
 from reft_ext.protect.xor import xor_encode
 
 # the plan's sources by their older names (Source.OWN == "own": plans compare as before)
@@ -40,14 +44,22 @@ def register(cls: type[Protection]) -> type[Protection]:
 
 
 class Protection(ABC):
+    """A scheme over one sharding group, placed across failure domains (``placement``,
+    reft_ext/protect/placement.py: who keeps whose redundancy)."""
+
     name = "abstract"
 
-    def __init__(self, group_size: int):
-        self.D = group_size
+    def __init__(self, placement: Placement):
+        self.placement = placement
+        self.D = placement.D
 
     def sub_blocks(self) -> int:
         """Slices must split into this many equal, aligned sub-blocks."""
         return 1
+
+    def replica_of(self, member: int) -> int | None:
+        """The slice ``member``'s redundancy block is a plain copy of (ARC), else None."""
+        return None
 
     @abstractmethod
     def redundancy_bytes(self, layout: StateLayout) -> int: ...
@@ -96,18 +108,22 @@ class NoProtection(Protection):
 
 @register
 class ARC(Protection):
-    """Asynchronous redundant copying: a replica of the next member's slice."""
+    """Asynchronous redundant copying: a replica of the slice of the member after this
+    one on the placement's ring (on another failure domain)."""
 
     name = "arc"
 
     def holder(self, lost: int) -> int:
-        return (lost - 1) % self.D
+        return self.placement.holder(lost)
+
+    def replica_of(self, member: int) -> int:
+        return self.placement.protects(member)
 
     def redundancy_bytes(self, layout):
         return layout.slice_bytes
 
     def encode(self, layout, out, lo=0):
-        start = layout.slice_range((layout.member + 1) % self.D)[0] + lo
+        start = layout.slice_range(self.replica_of(layout.member))[0] + lo
         layout.replicated.read(start, start + out.numel(), out)
 
     def sources(self, lost):
@@ -122,32 +138,45 @@ class ARC(Protection):
 
 @register
 class AEC(Protection):
-    """Asynchronous erasure coding: XOR parity spread over the other members."""
+    """Asynchronous erasure coding: XOR parity spread over the other members of a parity
+    group (the whole sharding group with one member per failure domain; else one member
+    per domain, reft_ext/protect/placement.py). Positions below are within the group."""
 
     name = "aec"
 
-    def sub_blocks(self):
-        return self.D - 1
+    def __init__(self, placement: Placement):
+        super().__init__(placement)
+        sizes = {len(g) for g in placement.parity_groups}
+        if len(sizes) != 1 or min(sizes) < 2:
+            raise ValueError(f"aec needs parity groups of one size >= 2, got "
+                             f"{placement.parity_groups}")
+        self.G = sizes.pop()
 
-    def _k(self, j: int, m: int) -> int:
-        """Which sub-block of slice j goes into member m's parity (m != j)."""
+    def sub_blocks(self):
+        return self.G - 1
+
+    @staticmethod
+    def _k(j: int, m: int) -> int:
+        """Which sub-block of slice j goes into position m's parity (m != j)."""
         return m if m < j else m - 1
 
-    def _member(self, j: int, k: int) -> int:
-        """The member whose parity holds sub-block k of slice j."""
+    @staticmethod
+    def _member(j: int, k: int) -> int:
+        """The position whose parity holds sub-block k of slice j."""
         return k if k < j else k + 1
 
     def redundancy_bytes(self, layout):
-        return layout.slice_bytes // (self.D - 1)
+        return layout.slice_bytes // (self.G - 1)
 
     def encode(self, layout, out, lo=0):
-        m, S, n = layout.member, self.redundancy_bytes(layout), out.numel()
+        group = self.placement.parity_group(layout.member)
+        m, S, n = group.index(layout.member), self.redundancy_bytes(layout), out.numel()
         tmp = torch.empty(n, dtype=torch.uint8)
         first = True
-        for j in range(self.D):
+        for j, member in enumerate(group):
             if j == m:
                 continue
-            start = layout.slice_range(j)[0] + self._k(j, m) * S + lo
+            start = layout.slice_range(member)[0] + self._k(j, m) * S + lo
             if first:
                 layout.replicated.read(start, start + n, out)
                 first = False
@@ -156,28 +185,29 @@ class AEC(Protection):
                 xor_encode([tmp], out, accumulate=True)
 
     def sources(self, lost):
-        return [m for m in range(self.D) if m != lost]
+        return [m for m in self.placement.parity_group(lost) if m != lost]
 
     def _rebuild_method(self, d, own_ok, red_ok):
-        others = [j for j in range(self.D) if j != d]
-        if all(own_ok[j] and red_ok[j] for j in others):
+        if all(own_ok[j] and red_ok[j] for j in self.sources(d)):
             return Source.PARITY
         return None
 
     def plan(self, own_ok, red_ok):
-        if sum(not ok for ok in own_ok) > 1:
-            return None  # one parity equation per sub-block: one unknown at most
+        for g in self.placement.parity_groups:
+            if sum(not own_ok[d] for d in g) > 1:
+                return None  # one parity equation per sub-block: one unknown at most
         return super().plan(own_ok, red_ok)
 
     def recover(self, lost, slices, redundancy, out):
-        S = out.numel() // (self.D - 1)
-        for k in range(self.D - 1):
-            m = self._member(lost, k)
-            srcs = [redundancy[m]]
-            for j in range(self.D):
-                if j not in (m, lost):
-                    kk = self._k(j, m)
-                    srcs.append(slices[j][kk * S:(kk + 1) * S])
+        group = self.placement.parity_group(lost)
+        b, S = group.index(lost), out.numel() // (self.G - 1)
+        for k in range(self.G - 1):
+            a = self._member(b, k)
+            srcs = [redundancy[group[a]]]
+            for c, member in enumerate(group):
+                if c not in (a, b):
+                    kk = self._k(c, a)
+                    srcs.append(slices[member][kk * S:(kk + 1) * S])
             xor_encode(srcs, out[k * S:(k + 1) * S])
 
 
@@ -193,6 +223,9 @@ def snapshot_regions(layout: StateLayout, protection: Protection,
             Region.OWNED: [own + red, owned], Region.AOR: [own + red + owned, aor_bytes]}
 
 
-def make_protection(name: str, group_size: int) -> Protection:
-    """The registered scheme ``name`` (none, arc, aec) for a group of ``group_size``."""
-    return PROTECTIONS[name](group_size)
+def make_protection(name: str, group: int | Placement) -> Protection:
+    """The registered scheme ``name`` (none, arc, aec) over a sharding group: its
+    placement, or its size for a group with one member per failure domain."""
+    if isinstance(group, int):
+        group = place(range(group))
+    return PROTECTIONS[name](group)

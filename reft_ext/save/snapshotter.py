@@ -24,6 +24,7 @@ from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
 from reft_ext.state.layout import StateLayout
 from reft_ext.state.regions import Region
+from reft_ext.protect.placement import check_placement, place
 from reft_ext.protect.schemes import make_protection, snapshot_regions
 from reft_ext.save.has import Batch, Unit
 from reft_ext.save.schedules import EndOfIteration, make_schedule
@@ -68,10 +69,18 @@ class ReftSnapshotter:
     def __init__(self, cfg: ReftConfig, adapter: StateAdapter,
                  events: PipelineEvents | None = None):
         self.cfg, self.a = cfg, adapter
-        cfg.validate_layout(adapter.world_size, adapter.all_dp_groups)
+        check_placement(cfg, adapter.world_size, adapter.all_dp_groups)
         self.D = len(adapter.dp_ranks)
         self.member = adapter.dp_ranks.index(adapter.rank)
-        self.protection = make_protection(cfg.redundancy, self.D)
+        # who keeps whose redundancy, across failure domains (one function for all)
+        self.placement = place(adapter.dp_ranks, cfg.node_of)
+        self.protection = make_protection(cfg.redundancy, self.placement)
+        if adapter.rank == 0 and cfg.enabled and (cfg.redundancy != "none" or cfg.aor):
+            reft_print(f"placement ({cfg.ranks_per_node} rank(s) per node): "
+                       f"{self.placement.summary(cfg.redundancy, cfg.aor)}; every group "
+                       f"alike", event="placement", ring=[self.placement.ranks[d]
+                                                          for d in self.placement.ring],
+                       domains=list(self.placement.domains))
         self.layout = StateLayout(adapter.replicated_tensors(), adapter.owned_tensors(),
                                   self.D, self.member, self.protection.sub_blocks())
         self.store = SnapshotStore(cfg.job_id, cfg.node_of(adapter.rank), adapter.rank,
@@ -87,7 +96,7 @@ class ReftSnapshotter:
             from reft_ext.protect.aor.transport import connect
 
             self.aor, self.aor_peer_spec = connect(
-                adapter.dp_ranks, adapter.torch_optimizers(),
+                self.placement, adapter.torch_optimizers(),
                 alloc=lambda n: self.store.buffer("aor", n))
             aor_bytes = self.aor_peer_spec.nbytes
         self.regions = snapshot_regions(self.layout, self.protection, aor_bytes)
@@ -100,6 +109,7 @@ class ReftSnapshotter:
             self.store, {"rank": adapter.rank, "member": self.member,
                          "dp_ranks": adapter.dp_ranks, "world_size": adapter.world_size,
                          "protection": self.protection.name,
+                         "replica_of": self.protection.replica_of(self.member),
                          "layout": self.layout.signature(), "nbytes": self.nbytes},
             self.regions, adapter.control_group, self.identity,
             getattr(adapter, "run_id", None), self.aor)

@@ -11,8 +11,10 @@ nothing, so production code pays one ``None`` test per call.
 
 The contract of a fault point: ``fault_point(point, iteration=ITER, **info)``, with
 ITER the iteration the moment belongs to (keyword). The observer may damage state, kill
-the process (the call then never returns), raise (``shm-reserve``: an ``OSError``) or do
-nothing; it fires a fault at most once per process.
+the process (the call then never returns), raise (``shm-reserve``: an ``OSError``),
+return a replacement (``load-send``: a damaged copy of the payload a rank is about to
+send, reft_ext/load/received.py) or do nothing; it fires a fault at most once per
+process.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def get_fault_observer() -> Callable[..., None] | None:
     return _observer
 
 
-def fault_point(point: str, **info) -> None:
+def fault_point(point: str, **info):
     """Production code passing ``point``: the observer, if any, may damage state, kill
-    the process, raise or do nothing."""
+    the process, raise, return a replacement or do nothing (None)."""
     if _observer is not None:
-        _observer(point, **info)
+        return _observer(point, **info)
+    return None

@@ -19,11 +19,13 @@ import sys
 import time
 
 from reft_ext.testing import fault_point, get_fault_observer, set_fault_observer
-from reft_ext.testing.fault_specs import CORRUPT_MODES, SPIKE_SCALE, FaultSpec, attempt
+from reft_ext.testing.fault_specs import (CORRUPT_MODES, CORRUPT_SEND, SPIKE_SCALE,
+                                         FaultSpec, attempt)
 
 # fault points that are requests to REFT's ReftFaults, not moments
 REFT_POINTS = ("node-loss", "corrupt")
 SHM_RESERVE = "shm-reserve"  # reft_ext/store/shm.py, before posix_fallocate
+LOAD_SEND = "load-send"  # reft_ext/load/received.py, a payload about to go to a peer
 
 
 def emit(msg: str) -> None:
@@ -43,6 +45,8 @@ class FaultObserver:
       :class:`reft_ext.testing.faults.ReftFaults`, set when REFT's session opens);
     * ``point`` "shm-reserve" (reft_ext/store/shm.py): raises ENOSPC once after a
       ``shm-full`` fault fired;
+    * ``point`` "load-send" (reft_ext/load/received.py): after a ``corrupt-send``
+      fault fired, returns the payload's copy with one byte flipped;
     * anything else: ignored.
     """
 
@@ -52,6 +56,7 @@ class FaultObserver:
         self.fired: set[FaultSpec] = set()
         self.reft = None          # ReftFaults, once REFT's session is open
         self.shm_full = False     # the next shared-memory reservation fails (shm-full)
+        self.flip_send = False    # REFT-load payloads sent are damaged (corrupt-send)
 
     def wants(self, phase: str, att: int | None = None) -> bool:
         """Is a spec of this phase still to fire (on attempt ``att``, default this
@@ -71,6 +76,8 @@ class FaultObserver:
                 raise OSError(errno.ENOSPC, f"[FAULT] injected: no space left on the "
                                             f"shared-memory filesystem ({info.get('path')})")
             return
+        if point == LOAD_SEND:
+            return self.damaged(iteration, **info) if self.flip_send else None
         att = info.get("attempt")
         att = attempt() if att is None else att
         for spec in self.specs:
@@ -78,6 +85,15 @@ class FaultObserver:
                     spec.attempt == att and spec not in self.fired:
                 self.fired.add(spec)
                 self.fire(spec)
+
+    def damaged(self, iteration, payload, what: str, to: int):
+        """A copy of ``payload`` with its middle byte flipped (``corrupt-send``)."""
+        out = payload.clone()
+        out[out.numel() // 2] ^= 0xFF
+        peer = "its group" if to < 0 else f"rank {to}"
+        emit(f"[FAULT] flipped a byte of {what} rank {self.rank} sends to {peer} while "
+             f"restoring iteration {iteration} (in transit; its snapshot is intact)")
+        return out
 
     def fire(self, spec: FaultSpec) -> None:
         where = f"at iteration {spec.iteration}, phase {spec.phase}" + \
@@ -87,6 +103,11 @@ class FaultObserver:
             emit(f"[FAULT] shared memory full for rank {spec.rank} (pid {os.getpid()}) "
                  f"{where}: its next space reservation fails with ENOSPC")
             sys.stdout.flush()
+            return
+        if spec.mode == CORRUPT_SEND:
+            self.flip_send = True
+            emit(f"[FAULT] rank {spec.rank} (pid {os.getpid()}) {where}: every payload it "
+                 f"sends from now on during a REFT-load is flipped in transit")
             return
         if spec.mode == "node":  # REFT (if on) wipes the failure domain's shared memory
             fault_point("node-loss", iteration=spec.iteration)

@@ -72,6 +72,13 @@ MODE:
   the last good snapshots intact. Mid-run the slots are reserved already: a full
   /dev/shm takes no page from a snapshot, the fault stays armed and nothing fails.
 
+* ``corrupt-send``: no signal (SIGNAL is ignored): from that moment every payload
+  the rank sends to a peer during a REFT-load (a slice, a parity block, an AOR replica)
+  has one byte flipped in the copy that is sent, as a corruption in transit would; its
+  snapshot stays intact. Arm it before the exchange: ``@load-read`` of the restoring
+  attempt (ITER the iteration being restored), e.g. ``0:4:CONT:corrupt-send:1@load-read``.
+  The receiver must catch it (reft_ext/load/received.py).
+
 With SIGNAL ``CONT`` (a signal that does not stop the process) a corrupt mode only
 corrupts: the rank trains on, and the damage lies in host memory until a later
 recovery reads it (two corruptions on two ranks, one kill: no race between them).
@@ -90,7 +97,8 @@ import signal
 from dataclasses import dataclass
 
 CORRUPT_MODES = ("corrupt", "corrupt-replica", "corrupt-manifest", "corrupt-committed")
-MODES = ("", "node", "snapshot", "shm-full", *CORRUPT_MODES)
+CORRUPT_SEND = "corrupt-send"  # a payload of REFT-load flipped on its way (no signal)
+MODES = ("", "node", "snapshot", "shm-full", CORRUPT_SEND, *CORRUPT_MODES)
 
 # the moments, in the order of an iteration (docstring above)
 SEAM_PHASES = ("forward", "backward", "send", "recv")  # through megatron-core's timers
@@ -144,6 +152,9 @@ def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
         raise _err(f"ATTEMPT must be an integer, got {attempt!r}")
     if mode not in MODES:
         raise _err(f"unknown mode {mode!r} ({', '.join(m for m in MODES if m)})")
+    if mode == CORRUPT_SEND and phase not in ("health", "load-read"):
+        raise _err(f"mode {CORRUPT_SEND} arms the next REFT-load send: use @load-read "
+                   f"(or @health), not {phase!r} (in {spec!r})")
     if mode == "snapshot":
         if at and phase != "snapshot-write":
             raise _err(f"mode snapshot is the phase snapshot-write, not {phase!r} "

@@ -73,9 +73,9 @@ class ReftFaults:
             if mode == "corrupt":
                 _emit(f"[FAULT] flipped a byte of {who} snapshot of iteration {it}")
             else:
-                peer = a.dp_ranks[(a.dp_ranks.index(a.rank) + 1) % len(a.dp_ranks)]
-                held = f"ARC replica of rank {peer}'s slice" if snap.protection.name == \
-                    "arc" else f"{snap.protection.name} redundancy block"
+                j = snap.protection.replica_of(snap.member)
+                held = f"{snap.protection.name} redundancy block" if j is None else \
+                    f"ARC replica of rank {a.dp_ranks[j]}'s slice"
                 _emit(f"[FAULT] flipped a byte of {who} {held} in its snapshot of "
                       f"iteration {it}")
             return

@@ -137,6 +137,53 @@ def test_two_lost_members_fall_back_to_persistent(tmp_path, reference_runs):
     same_as_reference(run, ref, 5)
 
 
+def test_bytes_flipped_in_transit_are_caught_by_the_receiver(tmp_path, reference_runs):
+    """Rank 2's node is lost; on the restart, rank 3 (its ARC and AOR holder) sends it
+    both slices of their group and its optimizer shard with a byte flipped in each copy sent (its
+    snapshot intact). Rank 2 checks each against the checksum its writer recorded, every
+    rank agrees before anything is written, and the job falls back to the persistent
+    checkpoint: bit-identical to the failure-free run."""
+    layout = "pp2dp2-zero1"
+    ref = reference_runs(layout, 4, TINY + N + LAYOUTS[layout])
+    save = str(tmp_path / "ckpt")
+    run = torchrun(4, TINY + N + LAYOUTS[layout] + reft("arc,aor") + [
+        "--save", save, "--load", save, "--save-interval", "3",
+        "--inject-fault", "2:5:KILL:node,3:4:CONT:corrupt-send:1@load-read"],
+        max_restarts=1).check()
+    assert "[FAULT] wiped failure domain 2" in run.output
+    for what in ("slice 0 (rank 2's)", "slice 1 (rank 3's)", "AOR replica"):
+        assert (f"[FAULT] flipped a byte of {what} rank 3 sends to rank 2 while restoring "
+                f"iteration 4") in run.output, what
+    problems = [(e["rank"], e["problem"].split(" received")[0])
+                for e in run.events_of("received_corrupt", iteration=4)]
+    assert sorted(problems) == [(2, "slice 0 (rank 2's)"), (2, "slice 1 (rank 3's)"),
+                                (2, "the AOR replica of its optimizer shard")], problems
+    assert_persistent_fallback(run.events, 3, save,
+                               reason="received data failed its checksum")
+    assert not run.events_of("recovered"), "nothing restored from host memory"
+    same_as_reference(run, ref, 4)
+
+
+@pytest.mark.slow  # make test's 12 minutes; the receiver's checks in the default tier:
+# test_bytes_flipped_in_transit_are_caught_by_the_receiver above
+def test_parity_block_flipped_in_transit_is_caught(tmp_path, reference_runs):
+    """AEC: rank 0's slice and parity block reach the others with a byte flipped."""
+    ref = reference_runs("dp4", 4, TINY + N + LAYOUTS["dp4"])
+    save = str(tmp_path / "ckpt")
+    run = torchrun(4, TINY + N + LAYOUTS["dp4"] + reft("aec") + [
+        "--save", save, "--load", save, "--save-interval", "3",
+        "--inject-fault", "2:5:KILL:node,0:4:CONT:corrupt-send:1@load-read"],
+        max_restarts=1).check()
+    assert "[FAULT] flipped a byte of parity block rank 0 sends to its group" in run.output
+    problems = {(e["rank"], e["problem"].split(" received")[0])
+                for e in run.events_of("received_corrupt", iteration=4)}
+    assert {(r, "the aec parity block") for r in (1, 2, 3)} <= problems, problems
+    assert {(r, "slice 0 (rank 0's)") for r in (1, 2, 3)} <= problems, problems
+    assert_persistent_fallback(run.events, 3, save,
+                               reason="received data failed its checksum")
+    same_as_reference(run, ref, 4)
+
+
 @pytest.mark.slow  # tests/integration/test_chaos.py covers it in the default tier
 def test_kill_during_snapshot_never_loads_torn_state(reference_runs):
     ref = reference_runs("pp2dp2", 4, TINY + N + LAYOUTS["pp2dp2"])

@@ -165,6 +165,7 @@ def test_dry_run_flags_exist_and_layouts_validate(script, nodes, spares, nnodes,
 
     from megatron.training.arguments import build_parser, validate_args
     from reft_ext.config import ReftConfig
+    from reft_ext.protect.placement import check_placement
 
     torchrun, trainer, out = _dry_run(script, tmp_path)
     assert f"{nodes} node(s) allocated" in out and f"{spares} hot spare(s)" in out
@@ -182,7 +183,7 @@ def test_dry_run_flags_exist_and_layouts_validate(script, nodes, spares, nnodes,
         validate_args(args)
         cfg = ReftConfig.from_args(args)
         assert cfg.enabled and cfg.protect == protect and cfg.snapshot_every == 1
-        cfg.validate_layout(args.world_size, _dp_groups(
+        check_placement(cfg, args.world_size, _dp_groups(
             args.world_size, args.tensor_model_parallel_size,
             args.pipeline_model_parallel_size))
         assert args.save == args.load and cfg.flush_dir.startswith(args.save)

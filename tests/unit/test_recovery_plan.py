@@ -336,6 +336,22 @@ def test_round_one_takes_the_fused_verdicts_of_the_newest_committed_slot():
     assert (0, R_OWN) not in calls and (0, Region.OWNED) not in calls
 
 
+def test_inventory_carries_the_writers_checksums_to_the_receivers():
+    """Every region's recorded checksum travels with the inventory (all-gathered), so a
+    rank receiving those bytes from this one can check them (reft_ext/load/received.py)."""
+    inv = take_inventory({1: manifest(10)}, SlotFormat(SIG, 96, "arc"), False,
+                         lambda *a: True)
+    assert inv[10].sums == {R_OWN: 1, R_RED: 2, Region.OWNED: 3, Region.AOR: 4}
+    assert inv[10].algorithm == "crc32"
+    plain = {"slot": 1, "ok": {"own": True}, "aor_owner": None,
+             "sums": {"own": 7}, "algorithm": "xxh3_64/4M"}
+    assert Held.of(plain) == Held(1, {R_OWN: True}, None, {R_OWN: 7}, "xxh3_64/4M")
+    # a slot of another layout is unusable: nothing to check against
+    inv = take_inventory({1: manifest(10, nbytes=64)}, SlotFormat(SIG, 96, "arc"), False,
+                         lambda *a: True)
+    assert inv[10].sums == {}
+
+
 def test_two_slots_of_one_iteration_keep_the_first():
     inv, _ = inventory({0: manifest(10), 1: manifest(10)}, verify_all=True)
     assert list(inv) == [10] and inv[10][0] == 0
@@ -345,7 +361,9 @@ def test_two_slots_of_one_iteration_keep_the_first():
 def offer_manifest(it, member, scheme, D=3, owned=0):
     sig = dict(SIG, group_size=D, member=member, owned=[[], owned])
     return {"iteration": it, "world_size": 6, "rank": 2, "member": member, "dp_ranks": [0, 2, 4],
-            "layout": sig, "protection": scheme}
+            "layout": sig, "protection": scheme,
+            "regions": {"own": [0, 32, 11], "redundancy": [32, 32, 12], "owned": [64, 0, 13],
+                        "aor": [64, 0, 14]}, "checksum": "xxh3_64/4M"}
 
 
 @pytest.mark.parametrize("scheme,D,have", [
@@ -357,6 +375,9 @@ def test_offer_names_the_old_slices_a_survivor_holds(scheme, D, have):
                    lambda slot, m, r: True)
     assert o.old_rank == 2 and o.why == "" and o.iters[4].have == have
     assert o.iters[4].old_group == [0, 2, 4] and o.iters[4].slice == 32
+    # each held old slice with the checksum its writer recorded (reshard.py checks it)
+    assert o.iters[4].sums == {j: {R_OWN: 11, R_RED: 12}[r] for j, r in have.items()}
+    assert o.iters[4].algorithm == "xxh3_64/4M"
 
 
 def test_offer_of_zero1_state_or_another_model_is_empty_with_a_reason():

@@ -10,7 +10,8 @@ import torch
 
 from reft_ext.config import ReftConfig, ReftConfigError, parse_bytes
 from reft_ext.state.layout import StateLayout
-from reft_ext.protect.schemes import AEC, ARC, NoProtection, make_protection
+from reft_ext.protect.placement import check_placement
+from reft_ext.protect.schemes import make_protection
 from reft_ext.store.slots import SnapshotStore, from_jsonable, to_jsonable
 
 
@@ -63,10 +64,10 @@ def test_two_lost_members_are_not_recoverable():
     for D in (3, 4):
         for a, b in itertools.combinations(range(D), 2):
             ok = [m not in (a, b) for m in range(D)]
-            assert AEC(D).plan(ok, ok) is None
+            assert make_protection("aec", D).plan(ok, ok) is None
             if (b - a) % D in (1, D - 1):  # neighbours: the replica died with its holder
-                assert ARC(D).plan(ok, ok) is None
-    assert NoProtection(2).plan([True, False], [True, True]) is None
+                assert make_protection("arc", D).plan(ok, ok) is None
+    assert make_protection("none", 2).plan([True, False], [True, True]) is None
 
 
 def test_layout_roundtrip_and_checksum():
@@ -90,11 +91,15 @@ def test_config_validation():
     with pytest.raises(ReftConfigError, match="choose one"):
         ReftConfig(snapshot_every=1, protect="arc,aec")
     cfg = ReftConfig(snapshot_every=1, protect="arc", ranks_per_node=2)
-    with pytest.raises(ReftConfigError, match="two members in one failure domain"):
-        cfg.validate_layout(4, [[0, 1], [2, 3]])
-    cfg.validate_layout(4, [[0, 2], [1, 3]])
+    with pytest.raises(ReftConfigError, match=r"^--reft-protect arc: sharding group \(ranks "
+                       r"\[0, 1\], nodes \[0, 0\]\) lives on one failure domain.*"
+                       r"--use-tp-pp-dp-mapping"):
+        check_placement(cfg, 4, [[0, 1], [2, 3]])
+    check_placement(cfg, 4, [[0, 2], [1, 3]])
+    check_placement(cfg, 8, [[0, 1, 2, 3], [4, 5, 6, 7]])  # 2 members on each of 2 nodes
     with pytest.raises(ReftConfigError, match="data-parallel size >= 2"):
-        ReftConfig(snapshot_every=1, protect="aec", ranks_per_node=1).validate_layout(2, [[0], [1]])
+        check_placement(ReftConfig(snapshot_every=1, protect="aec", ranks_per_node=1), 2,
+                        [[0], [1]])
     assert parse_bytes("1.5G") == 3 << 29 and parse_bytes("512M") == 512 << 20
     with pytest.raises(ReftConfigError, match="--reft-host-memory-limit"):
         parse_bytes("lots")

@@ -1,8 +1,9 @@
 """AOR transport: ship each owner's step inputs to its holder and apply them off the
 training thread.
 
-Ring as ARC: in a sharding group of D members, member d holds the replica of member
-(d+1) mod D, so member d's shard is held by (d-1) mod D. One dedicated gloo group per
+Ring as ARC (reft_ext/protect/placement.py): each member holds the replica of the member
+after it on the group's ring, which sits on another node (member (d+1) mod D with one
+member per node), so every shard is held once, off its node. One dedicated gloo group per
 sharding group (:func:`new_aor_group`) carries only AOR traffic, so it never queues
 behind or interleaves with megatron's collectives.
 
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from reft_ext.protect.aor.replica import AORReplica, OwnerShard
+from reft_ext.protect.placement import place
 from reft_ext.report.events import emit
 from reft_ext.report.threads import join_or_warn
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
@@ -66,7 +68,9 @@ def _default_alloc(nbytes: int) -> torch.Tensor:
 
 
 class AORTransport:
-    """This rank as owner of its shard and as holder of the replica of member (d+1) mod D.
+    """This rank as owner of its shard and as holder of the replica of the member after
+    it on the group's placement ring (reft_ext/protect/placement.py: on another failure
+    domain; member d+1 with one member per domain).
 
     ``torch_optimizers``: the torch optimizers inside megatron's optimizer, in chain order
     (``[c.optimizer for c in optimizer.chained_optimizers]``); ``alloc(nbytes)`` returns
@@ -74,16 +78,17 @@ class AORTransport:
     peer's shard size is known.
     """
 
-    def __init__(self, torch_optimizers, group, alloc=None):
+    def __init__(self, torch_optimizers, group, alloc=None, placement=None):
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
         self.D = len(self.ranks)
         if self.D < 2:
             raise ValueError("AOR needs a sharding (data-parallel) group of 2 or more")
-        d = self.ranks.index(self.rank)
-        self.owner_rank = self.ranks[(d + 1) % self.D]   # whose shard I hold
-        self.holder_rank = self.ranks[(d - 1) % self.D]  # who holds mine
+        placement = placement or place(self.ranks)
+        d = placement.ranks.index(self.rank)
+        self.owner_rank = placement.ranks[placement.protects(d)]  # whose shard I hold
+        self.holder_rank = placement.ranks[placement.holder(d)]   # who holds mine
         self.owner = OwnerShard(torch_optimizers)
         self.alloc = alloc or _default_alloc
         self.replica: AORReplica | None = None
@@ -280,14 +285,16 @@ class AORTransport:
             self._hook = None
 
 
-def connect(dp_ranks: list[int], torch_optimizers, alloc) -> tuple[AORTransport, object]:
+def connect(placement, torch_optimizers, alloc) -> tuple[AORTransport, object]:
     """This rank's AOR set-up (collective over the job): a dedicated gloo group per
-    sharding group, the owner's step hook, and the replica of member (d+1)'s shard in
+    sharding group, the owner's step hook, and the replica of the shard of the member it
+    protects (``placement``: the group's, reft_ext/protect/placement.py) in
     ``alloc(nbytes)`` (the failure domain's shared memory). Returns the transport and
     the spec of the shard held here (its ``nbytes`` size the "aor" region of every
     snapshot)."""
+    dp_ranks = list(placement.ranks)
     group = new_aor_group(dp_ranks)
-    aor = AORTransport(torch_optimizers, group, alloc=alloc)
+    aor = AORTransport(torch_optimizers, group, alloc=alloc, placement=placement)
     specs = [None] * len(dp_ranks)
     dist.all_gather_object(specs, aor.owner.spec, group=group)
     return aor, specs[aor.ranks.index(aor.owner_rank)]
