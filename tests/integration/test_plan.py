@@ -111,18 +111,24 @@ def test_placement_and_protection_errors_are_the_trainers():
     tiny = ModelConfig("tiny")
     bad = Plan(tiny, ParallelConfig(data_parallel_size=2, gpus_per_node=2),
                HardwareConfig("cpu"), SnapshotConfig("arc"))
-    assert bad.placement_error.startswith("--reft-protect arc: sharding group (ranks [0, 1]) "
-                                          "has two members in one failure domain")
+    assert bad.placement_error.startswith("--reft-protect arc: sharding group (ranks [0, 1], "
+                                          "nodes [0, 0]) lives on one failure domain")
     ok = Plan(tiny, ParallelConfig(data_parallel_size=2, gpus_per_node=1),
               HardwareConfig("cpu"), SnapshotConfig("arc"))
     assert ok.placement_error is None
     # the paper's Llama-1.3B TP4 PP4 DP8 fits with 4 GPUs per node, not with 8
-    for gpus, valid in ((4, True), (8, False)):
+    # the paper's Llama-1.3B TP4 PP4 DP8: with 4 GPUs per node each sharding group spans
+    # 8 nodes; with 8 two members share a node and the group spans 4 (placed across them)
+    for gpus, group_nodes in ((4, 8), (8, 4)):
         r = plan(["--model-size", "llama2-1.3b", "--tensor-model-parallel-size", "4",
                   "--pipeline-model-parallel-size", "4", "--data-parallel-size", "8",
                   "--gpus-per-node", str(gpus), "--reft-protect", "aec"])
-        assert (r.plan.placement_error is None) == valid
-        assert r.reliability.k == (1 if valid else 0)
+        assert r.plan.placement_error is None
+        assert r.reliability.k == 1 and r.reliability.group == group_nodes
+    # a group within one node (PP 2 x DP 2 on nodes of 2): refused, not protected
+    r = plan(["--model-size", "tiny", "--pipeline-model-parallel-size", "2",
+              "--data-parallel-size", "2", "--gpus-per-node", "2", "--reft-protect", "arc"])
+    assert "lives on one failure domain" in r.plan.placement_error and r.reliability.k == 0
 
 
 def test_bubbles_tier_split_and_host_memory():

@@ -124,6 +124,9 @@ def test_lost_node_dp4_aec_decodes_from_three_parities(reference_runs):
     same_as_reference(run, ref, 5)
 
 
+@pytest.mark.slow  # make test's 12 minutes; the default tier falls back to the persistent
+# checkpoint in test_bytes_flipped_in_transit_... below, and plans beyond protection in
+# tests/unit/test_recovery_plan.py and test_placement.py
 def test_two_lost_members_fall_back_to_persistent(tmp_path, reference_runs):
     ref = reference_runs("pp2dp2", 4, TINY + N + LAYOUTS["pp2dp2"])
     save = str(tmp_path / "ckpt")

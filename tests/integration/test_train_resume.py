@@ -53,6 +53,7 @@ def test_sigkill_one_rank_then_torchrun_restart(tmp_path, reference_runs):
     same_as_reference(run, ref, 5)
 
 
+@pytest.mark.slow  # make test's 12 minutes; SIGTERM in the default tier: test_preemption.py
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     save = str(tmp_path / "ckpt")
     args = TINY + ITERS + LAYOUTS["dp4"] + [
