@@ -14,7 +14,7 @@ RUN_DIR ?= runs/default
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run run-inprocess demo demo-nodes test test-all chaos bench clean
+.PHONY: install run run-inprocess demo demo-nodes test test-all hip-check gpu-smoke chaos bench clean
 
 $(STAMP): setup.py pyproject.toml constraints.txt csrc/setup_ext.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -80,8 +80,25 @@ demo-nodes: install
 test: install
 	$(PY) -m pytest -q -m "not slow" tests
 
-test-all: install
+test-all: install hip-check
 	$(PY) -m pytest -q tests
+
+# The ROCm compile check (Frontier's MI250X, gfx90a) on any machine, no GPU needed: the
+# CUDA kernels hipified by torch's hipify and compiled by hipcc (docs/csrc.md). Without
+# hipcc it says how to get it and passes; HIP_CHECK_REQUIRED=1 makes that a failure.
+HIP_ARCH ?= gfx90a
+hip-check: install
+	@if command -v hipcc >/dev/null; then \
+	    $(PY) -m csrc.setup_ext --hip-check build/hip-check $(HIP_ARCH); \
+	elif [ "$(HIP_CHECK_REQUIRED)" = 1 ]; then \
+	    echo "hip-check: hipcc not found (apt-get install -y hipcc libamdhip64-dev)"; exit 1; \
+	else echo "hip-check: SKIPPED, hipcc not found (apt-get install -y hipcc libamdhip64-dev)"; fi
+
+# On a machine with a CUDA GPU: kernel parity, training with the TE spec, bf16 and a REFT
+# snapshot every iteration, a crash and REFT-load compared bit for bit, iteration times
+# and downtime in a table (tools/gpu_smoke.sh; exit 2 without CUDA).
+gpu-smoke: install
+	tools/gpu_smoke.sh $(ARGS)
 
 # `make chaos` (~12 min on 2 cores): a seeded chaos campaign (tools/chaos.py,
 # docs/chaos.md): random faults at random moments (every --inject-fault phase, kills,

@@ -16,8 +16,11 @@ namespace gpu {
 
 int device_count() {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the sticky "no device" error
+  const cudaError_t prior = cudaPeekAtLastError();
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    // "no device" / "no driver" is an answer here, not a fault: drop only that error
+    clear_own_error(prior, err);
     return 0;
   }
   return n;
@@ -52,13 +55,14 @@ uintptr_t memcpy_async(void* dst, const void* src, size_t n, size_t chunk_bytes,
 }
 
 bool event_query(uintptr_t event) {
-  cudaError_t e = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
+  const cudaError_t prior = cudaPeekAtLastError();
+  const cudaError_t e = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
   if (e == cudaSuccess) return true;
-  if (e == cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  throw std::runtime_error(std::string("cudaEventQuery: ") + cudaGetErrorString(e));
+  // Some runtimes record "not ready" as the last error; it is our answer, so drop it
+  // (only it: an error pending from before stays for its owner to see).
+  clear_own_error(prior, e);
+  if (e == cudaErrorNotReady) return false;
+  throw_cuda_error("cudaEventQuery", e);
 }
 
 void event_synchronize(uintptr_t event) {

@@ -12,6 +12,13 @@ Decisions, each printed to the build log with a ``[reft_ext]`` prefix
   hipified into the build tree by torch.utils.hipify, or hipify-perl).
   Otherwise the GPU part is skipped.  ``REFT_BUILD_GPU=0`` forces it off; ``REFT_BUILD_GPU=1`` forces the
   CUDA part whenever nvcc exists (a compile/link check on a CPU-only torch).
+* One CUDA runtime: the CUDA part links the *shared* libcudart (never cudart_static),
+  and only when nvcc's CUDA major equals torch's (``torch.version.cuda``), so the
+  loader hands the extension the libcudart torch already loaded (same SONAME) and
+  streams, events and errors are shared with torch.  ROCm links the shared
+  libamdhip64 of $ROCM_PATH, which resolves the same way (same SONAME as torch's,
+  when torch's ROCm matches the rocm module).  torch's CUDAExtension is not used because it also links libtorch*;
+  these sources need no torch headers (see below).
 * Failure never fails the install: a compile or link error prints a warning and
   the package installs without ``_C`` (reft_ext then uses its torch reference
   paths).  If only the GPU part fails, the C++ part is retried without it.
@@ -22,7 +29,9 @@ no torch headers are needed, and the .so keeps working across torch upgrades.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +103,65 @@ def gpu_plan() -> tuple[str | None, str]:
     return None, f"GPU part off: {why}{extra}"
 
 
+def nvcc_cuda_major(nvcc: str) -> int | None:
+    """CUDA major of nvcc ("release 13.0" -> 13), None when it cannot be read."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except Exception:  # noqa: BLE001
+        return None
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else None
+
+
+def torch_cudart_dirs() -> list[str]:
+    """Directories holding the libcudart.so.* a pip CUDA torch loads (nvidia/*/lib)."""
+    try:
+        import nvidia  # noqa: PLC0415 - namespace package of the nvidia-*-cu* wheels
+    except ImportError:
+        return []
+    found = []
+    for root in getattr(nvidia, "__path__", []):
+        found += glob.glob(os.path.join(root, "*", "lib", "libcudart.so.*"))
+    return sorted({os.path.dirname(f) for f in found})
+
+
+def cudart_link_plan(nvcc: str) -> tuple[list[str], list[str], str]:
+    """(library_dirs, runtime_library_dirs, log line) for linking the shared libcudart.
+
+    Raises RuntimeError when nvcc's CUDA major differs from torch's: the .so would
+    then load a second libcudart (another SONAME) beside torch's."""
+    root = cuda_home(nvcc)
+    libdirs = [d for d in (os.path.join(root, "lib64"), os.path.join(root, "lib"))
+               if os.path.isdir(d)]
+    flavour, _ = torch_gpu_flavour()
+    major = nvcc_cuda_major(nvcc)
+    if flavour == "cuda":
+        import torch  # noqa: PLC0415
+
+        torch_major = int(str(torch.version.cuda).split(".")[0])
+        if major is not None and major != torch_major:
+            raise RuntimeError(
+                f"nvcc is CUDA {major} but torch was built with CUDA {torch.version.cuda}: "
+                f"the extension would load a second CUDA runtime; put a CUDA {torch_major} "
+                "nvcc first on PATH (or set CUDA_HOME)")
+    # torch's own runtime first on the search path; the toolkit's for a CPU-only torch
+    rpath = torch_cudart_dirs() + libdirs
+    return libdirs, rpath, (f"linking shared libcudart (CUDA {major}); run-time search path "
+                            f"{':'.join(rpath)} (torch's runtime when torch already loaded it)")
+
+
+def hip_arch_flags() -> list[str]:
+    """--offload-arch per target of PYTORCH_ROCM_ARCH (torch's variable, "gfx90a;gfx942")."""
+    spec = os.environ.get("PYTORCH_ROCM_ARCH", "")
+    return [f"--offload-arch={a}" for a in spec.replace(" ", ";").split(";") if a]
+
+
+def hip_compile_cmd(src: str, obj: str, include_dir: str, arch_flags: list[str]) -> list[str]:
+    """The hipcc command for one hipified source (shared by the build and `make hip-check`)."""
+    return ["hipcc", "-c", "-O3", "-std=c++17", "-fPIC", *arch_flags, "-I", include_dir,
+            src, "-o", obj]
+
+
 def cuda_arch_flags() -> list[str]:
     """-gencode flags from TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX"), default A100 + H100 (+PTX)."""
     spec = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
@@ -109,14 +177,13 @@ def cuda_arch_flags() -> list[str]:
     return flags
 
 
-def _compile_gpu_objects(flavour: str, build_temp: str) -> tuple[list[str], list[str], list[str]]:
-    """Compiles the .cu sources; returns (objects, library_dirs, libraries)."""
+def _compile_gpu_objects(flavour: str, build_temp: str):
+    """Compiles the .cu sources; returns (objects, library_dirs, runtime_dirs, libraries)."""
     os.makedirs(build_temp, exist_ok=True)
     objects: list[str] = []
     incs = ["-I", os.path.join(HERE)]
     if flavour == "cuda":
         nvcc = find_nvcc()
-        cuda_root = cuda_home(nvcc)
         for src in GPU_SOURCES:
             obj = os.path.join(build_temp, os.path.basename(src) + ".o")
             cmd = [nvcc, "-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *cuda_arch_flags(), *incs,
@@ -124,21 +191,22 @@ def _compile_gpu_objects(flavour: str, build_temp: str) -> tuple[list[str], list
             log("  " + " ".join(cmd))
             subprocess.check_call(cmd)
             objects.append(obj)
-        libdirs = [d for d in (os.path.join(cuda_root, "lib64"), os.path.join(cuda_root, "lib"))
-                   if os.path.isdir(d)]
-        # Static cudart: the .so then needs only the driver (libcuda) at run time,
-        # not a toolkit directory on the loader path of the training machine.
-        return objects, libdirs, ["cudart_static", "dl", "rt"]
+        libdirs, rpath, why = cudart_link_plan(nvcc)
+        log(why)
+        # shared libcudart: the one torch loaded (cudart_static would be a second runtime
+        # with its own error state and no view of torch's streams' errors)
+        return objects, libdirs, rpath, ["cudart"]
     # ROCm: hipify the CUDA sources into the build tree, then compile with hipcc.
     hip_dir = os.path.join(build_temp, "hipified")
     for src in hipify_sources(hip_dir):
         obj = os.path.join(build_temp, os.path.basename(src) + ".o")
-        cmd = ["hipcc", "-c", "-O3", "-std=c++17", "-fPIC", "-I", hip_dir, src, "-o", obj]
+        cmd = hip_compile_cmd(src, obj, hip_dir, hip_arch_flags())
         log("  " + " ".join(cmd))
         subprocess.check_call(cmd)
         objects.append(obj)
     rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
-    return objects, [os.path.join(rocm, "lib")], ["amdhip64"]
+    libdirs = [os.path.join(rocm, "lib")]
+    return objects, libdirs, libdirs, ["amdhip64"]
 
 
 def hipify_sources(out_dir: str) -> list[str]:
@@ -147,7 +215,9 @@ def hipify_sources(out_dir: str) -> list[str]:
     torch.utils.hipify (shipped with every torch) renames files as it goes
     (copy_cuda.cu -> copy_hip.hip, cuda_ops.h -> hip_ops.h, includes rewritten);
     hipify-perl is the fallback and keeps the names."""
-    # torch's hipify copies the project into out_dir only when out_dir is absent
+    # torch's hipify copies the project into out_dir only when out_dir is absent; it
+    # mishandles a relative out_dir (joins it twice)
+    out_dir = os.path.abspath(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     try:
@@ -216,11 +286,10 @@ def get_cmdclass():
                 saved = (list(ext.extra_objects), list(ext.library_dirs), list(ext.libraries),
                          list(ext.runtime_library_dirs), list(ext.define_macros))
                 try:
-                    objs, libdirs, libs = _compile_gpu_objects(flavour, self.build_temp)
+                    objs, libdirs, rpath, libs = _compile_gpu_objects(flavour, self.build_temp)
                     ext.extra_objects += objs
                     ext.library_dirs += libdirs
-                    if flavour == "hip":
-                        ext.runtime_library_dirs += libdirs
+                    ext.runtime_library_dirs += rpath
                     ext.libraries += libs
                     ext.define_macros.append(("REFT_WITH_CUDA", "1"))
                     super().build_extension(ext)
@@ -242,3 +311,33 @@ def get_cmdclass():
                 "installing without it - reft_ext falls back to torch reference paths")
 
     return {"build_ext": SafeBuildExt}
+
+
+def hip_check(out_dir: str, arch: str = "gfx90a") -> list[str]:
+    """Hipifies GPU_SOURCES into out_dir and compiles them for `arch` with hipcc on any
+    machine (no GPU needed; HIP_PLATFORM=amd): the ROCm build's compile check, e.g.
+    Frontier's MI250X (gfx90a).  Returns the object files; raises on a compile error."""
+    if not shutil.which("hipcc"):
+        raise FileNotFoundError("hipcc not found: apt-get install -y hipcc libamdhip64-dev "
+                                "(Debian), or load a rocm module")
+    hip_dir = os.path.join(out_dir, "hipified")
+    env = dict(os.environ, HIP_PLATFORM="amd")
+    objects = []
+    for src in hipify_sources(hip_dir):
+        obj = os.path.join(out_dir, os.path.basename(src) + f".{arch}.o")
+        cmd = hip_compile_cmd(src, obj, hip_dir, [f"--offload-arch={arch}"])
+        log("  " + " ".join(cmd))
+        subprocess.check_call(cmd, env=env)
+        objects.append(obj)
+    return objects
+
+
+if __name__ == "__main__":  # `python -m csrc.setup_ext --hip-check DIR [ARCH]` (make hip-check)
+    if len(sys.argv) < 3 or sys.argv[1] != "--hip-check":
+        sys.exit("usage: python -m csrc.setup_ext --hip-check OUT_DIR [ARCH (default gfx90a)]")
+    try:
+        objs = hip_check(sys.argv[2], *(sys.argv[3:4] or []))
+    except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+        sys.exit(f"[reft_ext] hip-check failed: {exc}")
+    for o in objs:
+        print(f"[reft_ext] hip-check: {o} ({os.path.getsize(o)} bytes)")

@@ -84,8 +84,12 @@ void launch(const uint8_t* const* srcs, int k, uint8_t* out, size_t n, cudaStrea
   unsigned long long blocks = (work + threads - 1) / threads;
   if (blocks > 8192) blocks = 8192;
   if (blocks == 0) blocks = 1;
-  xor_kernel<<<static_cast<unsigned int>(blocks), threads, 0, s>>>(a);
-  REFT_CUDA_CHECK(cudaGetLastError());
+  // cudaLaunchKernel returns this launch's own error; `<<<>>>` followed by
+  // cudaGetLastError() would report (and clear) any earlier unrelated error instead.
+  void* params[] = {&a};
+  REFT_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(&xor_kernel),
+                                   dim3(static_cast<unsigned int>(blocks)), dim3(threads),
+                                   params, 0, s));
 }
 
 }  // namespace

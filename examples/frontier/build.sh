@@ -48,10 +48,13 @@ python -m pip install -q "setuptools>=64" wheel "pybind11>=2.10"
 # reft_ext._C: csrc/setup_ext.py takes the GPU part as ROCm when torch.version.hip is set
 # and hipcc is on PATH (the rocm module): it hipifies csrc/*.cu into the build tree with
 # torch.utils.hipify, compiles them with hipcc and links libamdhip64 from $ROCM_PATH/lib.
-# Its hipcc command names no GPU target, and hipcc would then compile for the GPUs it
-# finds (none on a login node), so the target goes through hipcc's own variable.
-# PYTORCH_ROCM_ARCH (env.sh) is what torch's extension builds read.
-export HIPCC_COMPILE_FLAGS_APPEND="--offload-arch=${PYTORCH_ROCM_ARCH:-gfx90a}"
+# The GPU target is PYTORCH_ROCM_ARCH (env.sh, gfx90a: the MI250X), which setup_ext turns
+# into --offload-arch (a login node has no GPU for hipcc to detect).
+# First the same compile as `make hip-check`, which fails loudly (the install below never
+# fails because of _C): the hipified kernels for each target, objects in build/hip-check.
+for arch in ${PYTORCH_ROCM_ARCH//;/ }; do
+    (cd "$REPO" && python -m csrc.setup_ext --hip-check build/hip-check "$arch") 2>&1 | tee -a "$LOG"
+done
 # -v shows the extension's decisions, one "[reft_ext] ..." line each; the build never
 # fails the install (without _C, reft_ext uses its torch paths, bit-identical but slower)
 python -m pip install -v --no-build-isolation -e "${REPO}[test]" >>"$LOG" 2>&1 ||

@@ -85,5 +85,6 @@ export MIOPEN_CUSTOM_CACHE_DIR=${MIOPEN_CUSTOM_CACHE_DIR:-$MIOPEN_USER_DB_PATH}
 # 56 of a node's 64 cores are usable (8 are kept for the system), 7 per rank: data
 # loading, REFT's host copies and AOR's Adam replay of a peer's shard run on them
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-7}
-# the GPU target of anything compiled later (torch extensions); build.sh passes it to hipcc
+# the GPU target of anything compiled later (torch extensions, and reft_ext._C: csrc/setup_ext.py
+# passes each as hipcc --offload-arch)
 export PYTORCH_ROCM_ARCH=${PYTORCH_ROCM_ARCH:-gfx90a}

@@ -41,6 +41,10 @@ def _add_model_args(p):
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+                   help="layer implementation (Megatron-LM's flag): TransformerEngine's "
+                        "modules or megatron-core's torch modules; default transformer_engine "
+                        "where TransformerEngine imports and CUDA is present, else local")
 
 
 def _add_parallel_args(p):
@@ -77,6 +81,11 @@ def _add_training_args(p):
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="megatron-core's optimizer (sgd: momentum SGD, non-distributed "
+                        "optimizer only)")
+    g.add_argument("--sgd-momentum", type=float, default=0.9,
+                   help="momentum factor of --optimizer sgd")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None,
@@ -200,6 +209,7 @@ def validate_args(args):
     args.data_parallel_size = ws // (tp * pp)
     check_model_split(args, tp, pp, _fail)
     _validate_virtual_pipeline(args)
+    _validate_transformer_impl(args)
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
@@ -249,6 +259,7 @@ def validate_args(args):
             parse_sample_ranges(args.poison_train_samples)
         except ValueError as exc:
             _fail("--poison-train-samples", str(exc))
+    _validate_optimizer(args)
     _validate_reft(args)
     if args.inject_fault is not None:  # a phase this run never reaches would never fire
         try:
@@ -258,10 +269,56 @@ def validate_args(args):
     return args
 
 
+def resolve_transformer_impl(requested, te_missing):
+    """--transformer-impl on this machine: ``requested`` (None: not given) and why TE
+    cannot run here (``te_missing``, None when it can; llama_model.py finds it)."""
+    if requested is None:
+        return "local" if te_missing else "transformer_engine"
+    if requested == "transformer_engine" and te_missing:
+        _fail("--transformer-impl", f"transformer_engine needs TransformerEngine on a CUDA "
+              f"device ({te_missing}): install it with `pip install .[gpu]` on a CUDA "
+              f"machine, or give --transformer-impl local")
+    return requested
+
+
+def _validate_transformer_impl(args):
+    """Resolved and checked here, so a missing TE is one argument error, not a TypeError
+    or NameError while the model is built."""
+    from megatron.training.llama_model import transformer_engine_missing
+
+    missing = None if args.transformer_impl == "local" else transformer_engine_missing()
+    args.transformer_impl = resolve_transformer_impl(args.transformer_impl, missing)
+    if args.transformer_impl != "transformer_engine":
+        return
+    if args.reset_attention_mask:  # TE's causal attention would ignore the document mask
+        _fail("--reset-attention-mask", "per-document attention masks need --transformer-impl "
+              "local (TransformerEngine's causal attention ignores the mask)")
+    # TE builds the causal mask on the GPU itself: no [mbs, 1, seq, seq] mask per sample
+    # made by the loader and copied to the device (data.py reads this attribute)
+    args.create_attention_mask_in_dataloader = False
+
+
 def rank_order(args) -> str:
     """megatron-core's rank order for this job (--use-tp-pp-dp-mapping)."""
     return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) \
         else "tp-cp-ep-dp-pp"
+
+
+def _validate_optimizer(args):
+    """--optimizer sgd where its state can be saved and restored: megatron-core's
+    DistributedOptimizer saves Adam's param/exp_avg/exp_avg_sq only, and AOR replays
+    torch's Adam."""
+    if args.optimizer != "sgd":
+        return
+    if not 0.0 <= args.sgd_momentum < 1.0:
+        _fail("--sgd-momentum", f"must be in [0, 1), got {args.sgd_momentum}")
+    if "aor" in str(getattr(args, "reft_protect", "") or "").split(","):
+        _fail("--reft-protect", "aor replays torch's Adam on the replica and cannot replay "
+              "--optimizer sgd; drop aor or use --optimizer adam")
+    if args.use_distributed_optimizer:
+        _fail("--optimizer", "sgd with --use-distributed-optimizer cannot be checkpointed: "
+              "megatron-core's DistributedOptimizer saves Adam's state (param, exp_avg, "
+              "exp_avg_sq) only; drop --use-distributed-optimizer or use --optimizer adam")
 
 
 def _validate_reft(args):

@@ -121,12 +121,13 @@ def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_opt
         sd[key] = model_sd[key] = chunk.module.sharded_state_dict()
     if load_optim:
         if is_loading:
-            optimizer_state.ensure_adam_state(state.optimizer)  # upstream bug 1
+            optimizer_state.ensure_state(state.optimizer)  # upstream bug 1 (+ SGD momentum)
+            optimizer_state.fill_missing_init_state_fn(state.optimizer)  # bug 4 (SGD)
         sd["optimizer"] = state.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
         sd["adam_steps"] = _per_rank_object("adam_steps",
-                                            optimizer_state.adam_steps(state.optimizer),
+                                            optimizer_state.optimizer_steps(state.optimizer),
                                             saved_dp)
     if load_rng:
         # every rank's own generators: exact resume needs them even where DP ranks differ
@@ -299,7 +300,7 @@ class Checkpointer:
             if load_optim:
                 # into the tensors REFT's snapshot layout already holds
                 optimizer_state.load_state_dict_in_place(state.optimizer, loaded["optimizer"])
-                optimizer_state.set_adam_steps(state.optimizer, loaded["adam_steps"])  # bug 3
+                optimizer_state.set_optimizer_steps(state.optimizer, loaded["adam_steps"])  # bug 3
                 state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if load_rng:
             state.set_rng_state(loaded["rng_state"])

@@ -433,9 +433,10 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, args, dp_rank:
     # (dropout), at times that differ between a fresh and a resumed run. Its own generator
     # keeps the training RNG stream a function of the iteration alone.
     generator = torch.Generator().manual_seed(int(getattr(args, "seed", 0)) + consumed_samples)
+    # pinned on a GPU host: forward_step's batch copies run non-blocking
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                       pin_memory=False, persistent_workers=workers > 0,
-                                       generator=generator)
+                                       pin_memory=torch.cuda.is_available(),
+                                       persistent_workers=workers > 0, generator=generator)
 
 
 def _cyclic_iterator(dataset, consumed_samples: int, args, dp_rank: int, dp_size: int):

@@ -38,17 +38,24 @@ def _elastic_store_kwargs(timeout) -> dict:
                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
+def distributed_backend(requested: str | None, cuda: bool) -> str:
+    """NCCL where there is CUDA, gloo where there is none; --distributed-backend
+    overrides, but NCCL without a CUDA device is refused by name."""
+    backend = requested or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise RuntimeError("--distributed-backend nccl: no CUDA device here; use gloo")
+    return backend
+
+
 def initialize_distributed(args) -> None:
     """Join the process group (torchrun's env://, or a one-rank group on loopback)."""
     cuda = torch.cuda.is_available()
-    backend = args.distributed_backend or ("nccl" if cuda else "gloo")
-    if backend == "nccl" and not cuda:
-        raise RuntimeError("--distributed-backend nccl: no CUDA device here; use gloo")
+    backend = distributed_backend(args.distributed_backend, cuda)
     if "RANK" not in os.environ:  # plain `python pretrain_llama.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    if cuda:
+    if cuda:  # before the process group: NCCL binds each rank's communicators to it
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if not torch.distributed.is_initialized():
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
@@ -67,6 +74,10 @@ def initialize_distributed(args) -> None:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         order=rank_order(args),
+        # with NCCL the gloo twins of the groups carry host tensors (REFT's snapshots,
+        # checksums and object collectives); megatron-core's default, stated because
+        # REFT depends on it
+        create_gloo_process_groups=True,
     )
     inprocess_generation.after_initialize()  # the groups an in-process restart rebinds
 

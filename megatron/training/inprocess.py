@@ -6,7 +6,10 @@ The generations, the abort and the supervisor are reft_ext's
 * the process groups of each generation rendezvous on that generation's store prefix
   (inprocess_generation.py, called by initialize.py: this module re-joins through
   initialize.py, so initialize.py must not import it);
-* tearing down: megatron-core's parallel state and every torch process group;
+* tearing down: megatron-core's parallel state and every torch process group, after
+  the communicators were aborted each by its own means (NCCL: ``ProcessGroupNCCL.abort``
+  and a bounded CUDA drain; gloo: socket shutdown; reft_ext/cluster/inprocess.py
+  ``plan_abort``); where that abort failed this rank exits instead (a process restart);
 * *rebinding*: the model chunks, the DDP buffers and bucket groups, the optimizer, the
   p2p communicator... keep the process groups they were built with. Rather than
   rebuilding them (a new model, a new optimizer, new tensors REFT would have to learn
@@ -243,6 +246,12 @@ def restart_in_process(trainer, failure: str) -> None:
     gen.request_abort(failure[:200])
     gen.abort_now("this rank's collective failed")
     reason, at = gen.reason(), s.iteration
+    if gen.abort_failure:  # NCCL's abort or the CUDA drain failed: no socket surgery
+        emit("inprocess_unsafe", f"rank {rank}: generation {g} failed at iteration {at}; "
+             f"in-process restart impossible ({gen.abort_failure}): restarting as a new "
+             f"process", rank=rank, generation=g, why=gen.abort_failure)
+        raise RestartError(f"aborting generation {g} in process failed: "
+                           f"{gen.abort_failure}")
     emit("inprocess_abort", f"rank {rank}: generation {g} failed at iteration {at} "
          f"({reason}); restarting in this process (pid {os.getpid()})", rank=rank,
          generation=g, iteration=at, reason=reason, pid=os.getpid())

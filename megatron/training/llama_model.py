@@ -1,8 +1,9 @@
 """Llama on megatron-core: TransformerConfig, GPTModel chunks, DDP, optimizer, scheduler.
 
 Llama = RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings, no biases.
-The local layer spec (torch norms, no fusions) is used on CPU and whenever
-TransformerEngine is missing; TE's spec when it is installed and CUDA is present.
+--transformer-impl picks the layer spec: the local spec (torch norms, no fusions) on
+CPU and wherever TransformerEngine is missing; TE's spec by default where it is installed
+and CUDA is present (arguments.py resolves and checks the flag).
 """
 
 from __future__ import annotations
@@ -22,21 +23,51 @@ def have_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def layer_spec():
-    """TE spec with TE on a GPU; megatron-core's local spec otherwise."""
-    if have_cuda():
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec,
-            )
-            import importlib
+# --transformer-impl (Megatron-LM's flag): TransformerEngine's fused modules or
+# megatron-core's torch modules. Both take RMSNorm from TransformerConfig.normalization;
+# the TE spec of megatron-core 0.16.1 has no `normalization` parameter.
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+TE_SPEC_KWARGS = dict(num_experts=None, qk_layernorm=False, multi_latent_attention=False)
 
-            importlib.import_module("transformer_engine")  # (installed, not just the spec)
 
-            return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
-        except ImportError:
-            pass
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+def transformer_engine_missing() -> str | None:
+    """Why TE's layer spec cannot be built here, or None when it can. Only an
+    ImportError means "not installed": any other error from TE's import is a broken
+    install and is raised as it is."""
+    if not have_cuda():
+        return "no CUDA device here"
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if gpt_layer_specs.HAVE_TE:  # megatron-core's own TE import succeeded
+        return None
+    try:
+        import transformer_engine  # noqa: F401 - only for the reason below
+    except ImportError as exc:
+        return f"TransformerEngine is not installed ({exc})"
+    return "megatron-core's TransformerEngine extension (megatron.core.extensions) did not import"
+
+
+def default_transformer_impl() -> str:
+    """Megatron's default where TE can run, the local spec everywhere else (CPU)."""
+    return "transformer_engine" if transformer_engine_missing() is None else "local"
+
+
+def layer_spec(impl: str):
+    """The decoder layer's ModuleSpec for --transformer-impl ``impl``."""
+    if impl == "local":
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+    if impl != "transformer_engine":
+        raise ValueError(f"--transformer-impl: {impl!r} is not one of {TRANSFORMER_IMPLS}")
+    missing = transformer_engine_missing()
+    if missing is not None:  # argument validation refuses this first; fail closed here too
+        raise RuntimeError(f"--transformer-impl transformer_engine: {missing}; install "
+                           f"TransformerEngine (pip install .[gpu]) on a CUDA machine or "
+                           f"give --transformer-impl local")
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    return get_gpt_layer_with_transformer_engine_spec(**TE_SPEC_KWARGS)
 
 
 def transformer_config(args, timers=None) -> TransformerConfig:
@@ -89,7 +120,7 @@ def build_model(args, config: TransformerConfig):
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(),
+            transformer_layer_spec=layer_spec(args.transformer_impl),
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -114,8 +145,11 @@ def build_model(args, config: TransformerConfig):
 
 
 def build_optimizer(args, model_chunks):
+    """megatron-core's optimizer: Adam (default) or SGD with --sgd-momentum (Megatron's
+    --optimizer); REFT captures either's state (optimizer_state.py)."""
     config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=getattr(args, "optimizer", "adam"),
+        sgd_momentum=getattr(args, "sgd_momentum", 0.9),
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,

@@ -1,79 +1,321 @@
-"""Adam state inside megatron optimizers, and the fixes resume needs with torch Adam.
+"""Optimizer state inside megatron optimizers: what REFT captures, and the fixes
+resume needs with torch Adam.
+
+REFT lists its snapshot layout once, before step 1, so every state tensor an optimizer
+would create lazily inside ``step()`` is created first (:func:`ensure_state`), per kind
+from one table (:data:`KNOWN_KINDS`); an optimizer not in it is refused by name, and
+after the first step :class:`FirstStepCheck` refuses any state the layout missed.
 
 Without apex/TransformerEngine, megatron-core 0.16.1 runs torch's Adam inside its
-optimizers, and resuming it has three upstream bugs (docs/foundation.md):
+optimizers, and resuming it has three upstream bugs (docs/foundation.md), SGD a fourth:
 
 1. ``DistributedOptimizer.state_dict()`` reads ``state["step"]`` of every param, so a
    fresh optimizer (no state yet) cannot even build its load state dict.
-   -> :func:`ensure_adam_state` creates zero moments and a step per param first.
+   -> :func:`ensure_state` creates zero moments and a step per param first.
 2. ``load_parameter_state_from_dp_reshardable`` copies into fp32 leaf params without
    ``no_grad``. -> checkpointing.py loads under ``torch.no_grad()``.
 3. ``load_state_dict`` assigns ONE shared ``step`` tensor to all params (torch Adam then
    increments it once per param per step) and the step is saved as a non-persistent
-   object, so the fresh 0 wins. -> we save the step ourselves (:func:`adam_steps`) and
-   give every param its own tensor again (:func:`set_adam_steps`).
+   object, so the fresh 0 wins. -> we save the step ourselves (:func:`optimizer_steps`)
+   and give every param its own tensor again (:func:`set_optimizer_steps`).
+4. SGD has no ``init_state_fn``, which every load calls. -> :func:`fill_missing_init_state_fn`.
 """
 
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 
 def torch_optimizers(optimizer) -> list:
     """The torch.optim optimizers inside a megatron (chained) optimizer."""
-    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if getattr(opt, "optimizer", None) is not None]
 
 
 def main_params_and_states(optimizer):
-    """(main param, its Adam state dict) in a fixed order over all param groups."""
+    """(main param, its optimizer state dict) in a fixed order over all param groups."""
     for opt in torch_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
                 yield p, opt.state.get(p, {})
 
 
-def ensure_adam_state(optimizer) -> None:
-    """Create zero Adam state (moments and an own step tensor) where a param has none."""
+# ---- the optimizers whose state REFT can capture -------------------------------------
+class UnsupportedOptimizer(RuntimeError):
+    """An optimizer (or a setting of one) whose state REFT cannot capture: refused
+    before the first step, never silently half-saved."""
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """One optimizer REFT knows: the per-param state tensors it keeps, where its step
+    count lives ("param": ``state["step"]``, "group": ``group["step"]``, None: nowhere),
+    how to create its state before step 1 exactly as step 1 would, and which of its
+    settings cannot be captured (a reason, or None)."""
+    name: str
+    matches: Callable[[Any], bool]
+    tensor_keys: Callable[[dict], tuple]
+    step_in: str | None
+    ensure: Callable[[Any, dict, torch.Tensor], None]
+    refuse: Callable[[Any, dict], str | None]
+
+
+def _adam_keys(group: dict) -> tuple:
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+
+
+def _ensure_torch_adam(opt, group: dict, p: torch.Tensor) -> None:
+    # what Adam._init_group creates on the first step: zero moments and a step tensor
+    # (on the device for capturable/fused, where torch keeps it)
+    st = opt.state[p]
+    if "step" not in st:
+        st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device)
+                      if group.get("capturable") or group.get("fused")
+                      else torch.tensor(0.0, dtype=torch.float32))
+    for key in _adam_keys(group):
+        if key not in st:
+            st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _sgd_keys(group: dict) -> tuple:
+    return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+
+def _ensure_torch_sgd(opt, group: dict, p: torch.Tensor) -> None:
+    # torch's first step sets buf = clone(grad); later ones buf = buf*m + grad (dampening
+    # 0). A buffer of -0.0 makes the later formula give grad bit for bit on step 1,
+    # signed zeros included (-0.0*m + g == g; a +0.0 buffer would turn g = -0.0 into +0.0)
+    if group["momentum"] != 0 and "momentum_buffer" not in opt.state[p]:
+        opt.state[p]["momentum_buffer"] = torch.full_like(
+            p, -0.0, memory_format=torch.preserve_format)
+
+
+def _refuse_torch_sgd(opt, group: dict) -> str | None:
+    if group["momentum"] != 0 and group["dampening"] != 0:
+        return (f"dampening {group['dampening']} (step 1 skips it, so no momentum buffer "
+                "created before step 1 gives the same update)")
+    return None
+
+
+def _is_fused_adam(opt) -> bool:
+    cls = type(opt)
+    return cls.__name__ == "FusedAdam" and cls.__module__.split(".")[0] in (
+        "apex", "transformer_engine")
+
+
+def _ensure_fused_adam(opt, group: dict, p: torch.Tensor) -> None:
+    # apex's and TE's step() create both moments when a param's state is empty; TE
+    # through its own initialize_state (moment dtypes, scales), used as is
+    st = opt.state[p]
+    if len(st) != 0:
+        return
+    init = getattr(opt, "initialize_state", None)
+    if init is not None:
+        if "store_param_remainders" in inspect.signature(init).parameters:
+            init(p, store_param_remainders=False)
+        else:
+            init(p)
+        return
+    st["exp_avg"] = torch.zeros_like(p)
+    st["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def _refuse_fused_adam(opt, group: dict) -> str | None:
+    if getattr(opt, "master_weights", False) or getattr(opt, "store_param_remainders", False):
+        return "master weights kept inside the optimizer (master_param state)"
+    for attr in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(opt, attr, torch.float32) != torch.float32:
+            return f"{attr}={getattr(opt, attr)} (scaled moments kept outside the state)"
+    if group.get("capturable"):
+        return "capturable=True (its step lives on the device)"
+    return None
+
+
+KNOWN_KINDS = (
+    OptimizerKind("torch.optim.Adam/AdamW",
+                  lambda o: isinstance(o, (torch.optim.Adam, torch.optim.AdamW)),
+                  _adam_keys, "param", _ensure_torch_adam, lambda o, g: None),
+    OptimizerKind("torch.optim.SGD", lambda o: isinstance(o, torch.optim.SGD),
+                  _sgd_keys, None, _ensure_torch_sgd, _refuse_torch_sgd),
+    OptimizerKind("apex/TransformerEngine FusedAdam", _is_fused_adam,
+                  lambda g: ("exp_avg", "exp_avg_sq"), "group", _ensure_fused_adam,
+                  _refuse_fused_adam),
+)
+
+
+def _class_name(opt) -> str:
+    return f"{type(opt).__module__}.{type(opt).__qualname__}"
+
+
+def kind_of(opt) -> OptimizerKind:
+    """The table's entry for a torch optimizer; UnsupportedOptimizer (by name) if none,
+    or if a setting of it cannot be captured."""
+    for kind in KNOWN_KINDS:
+        if kind.matches(opt):
+            for group in opt.param_groups:
+                why = kind.refuse(opt, group)
+                if why:
+                    raise UnsupportedOptimizer(
+                        f"REFT cannot capture the state of {_class_name(opt)} with {why}")
+            return kind
+    raise UnsupportedOptimizer(
+        f"REFT cannot capture the state of {_class_name(opt)}; supported: "
+        + ", ".join(k.name for k in KNOWN_KINDS))
+
+
+def captured_states(optimizer):
+    """(main param, its state dict, the state keys REFT captures as tensors) in a fixed
+    order over all torch optimizers and param groups (TrainingState.state_tensors)."""
     for opt in torch_optimizers(optimizer):
-        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        kind = kind_of(opt)
+        for group in opt.param_groups:
+            keys = kind.tensor_keys(group)
+            for p in group["params"]:
+                yield p, opt.state.get(p, {}), keys
+
+
+def ensure_state(optimizer) -> None:
+    """Create every state tensor the first step would create, where a param has none,
+    so the snapshot layout listed now is final. Unknown optimizers are refused here."""
+    for opt in torch_optimizers(optimizer):
+        kind = kind_of(opt)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                kind.ensure(opt, group, p)
+
+
+ensure_adam_state = ensure_state  # the name callers used when Adam was all there was
+
+
+def _state_already_made(opt, config=None) -> None:
+    """An init_state_fn for optimizers megatron-core gives none: ensure_state made it."""
+
+
+def fill_missing_init_state_fn(optimizer) -> None:
+    """Upstream bug 4: megatron-core 0.16.1 builds SGD with ``init_state_fn=None``, and
+    ``sharded_state_dict(is_loading=True)`` calls it unconditionally (TypeError on every
+    load). The state it would create is :func:`ensure_state`'s, so a no-op stands in."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "init_state_fn") and opt.init_state_fn is None:
+            opt.init_state_fn = _state_already_made
+
+
+def check_captured(optimizer, captured) -> None:
+    """Every state entry the optimizers hold is one REFT captures: a key of the table
+    (the step where the kind keeps it there) whose tensor is one of ``captured`` (the
+    objects listed in the snapshot layout). Anything else appeared after the listing
+    and would never be snapshotted: refused, naming the optimizer and the key."""
+    ids = {id(t) for t in captured}
+    for opt in torch_optimizers(optimizer):
+        _check_one(opt, ids)
+
+
+def _check_one(opt, ids: set) -> None:
+    kind = kind_of(opt)
+    for group in opt.param_groups:
+        keys = kind.tensor_keys(group)
+        allowed = set(keys) | ({"step"} if kind.step_in == "param" else set())
+        for j, p in enumerate(group["params"]):
+            for key, value in opt.state.get(p, {}).items():
+                if key not in allowed or (key in keys and id(value) not in ids):
+                    raise UnsupportedOptimizer(
+                        f"{_class_name(opt)} holds state {key!r} (param {j} of its group) "
+                        "that REFT's snapshot layout does not: it was created after the "
+                        "layout was listed and would never be snapshotted")
+
+
+class FirstStepCheck:
+    """:func:`check_captured` run once, right after each torch optimizer's first step
+    (its own step hooks), where lazily created state would have appeared. A subclass
+    whose step() calls a hooked super().step() runs the hooks twice, nested: the check
+    waits for the outermost step to return. The hooks stay registered (removing one
+    inside torch's hook loop would mutate the dict being iterated): a dict lookup per
+    later step."""
+
+    def __init__(self, optimizer, captured):
+        self.ids = {id(t) for t in captured}
+        self.depth: dict = {}  # id(torch optimizer) -> nesting of its running step()
+        self.checked: set = set()
+        self.handles = []
+        for opt in torch_optimizers(optimizer):
+            self.handles.append(opt.register_step_pre_hook(self._pre))
+            self.handles.append(opt.register_step_post_hook(self._post))
+
+    def _pre(self, opt, args, kwargs) -> None:
+        self.depth[id(opt)] = self.depth.get(id(opt), 0) + 1
+
+    def _post(self, opt, args, kwargs) -> None:
+        self.depth[id(opt)] = depth = self.depth.get(id(opt), 1) - 1
+        if depth == 0 and id(opt) not in self.checked:
+            self.checked.add(id(opt))
+            _check_one(opt, self.ids)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+# ---- step counts: saved per optimizer kind --------------------------------------------
+def optimizer_steps(optimizer) -> list:
+    """The step count of each torch optimizer, as its kind keeps it: Adam's per-param
+    step tensors as one number (None where it has no state yet), FusedAdam's per-group
+    steps as ``{"group_steps": [...]}``, None for optimizers that keep none (SGD).
+
+    All params of one Adam step together, so one number each; a disagreement means the
+    state is already corrupt (bug 3) and is reported instead of saved.
+    """
+    steps = []
+    for opt in torch_optimizers(optimizer):
+        kind = kind_of(opt)
+        if kind.step_in == "param":
+            values = {float(st["step"]) for st in opt.state.values() if "step" in st}
+            if len(values) > 1:
+                raise RuntimeError(f"Adam params disagree on their step count: {sorted(values)}")
+            steps.append(values.pop() if values else None)
+        elif kind.step_in == "group":
+            steps.append({"group_steps": [None if g.get("step") is None else int(g["step"])
+                                          for g in opt.param_groups]})
+        else:
+            steps.append(None)
+    return steps
+
+
+def set_optimizer_steps(optimizer, steps: list) -> None:
+    """Put saved step counts back: every Adam param its own step tensor, every
+    FusedAdam group its step (removed where none was saved: before step 1)."""
+    opts = torch_optimizers(optimizer)
+    if len(steps) != len(opts):
+        raise RuntimeError(f"saved optimizer steps for {len(steps)} optimizers, "
+                           f"have {len(opts)}")
+    for opt, step in zip(opts, steps):
+        kind = kind_of(opt)
+        if kind.step_in == "group":
+            saved = (step or {}).get("group_steps") or [None] * len(opt.param_groups)
+            if len(saved) != len(opt.param_groups):
+                raise RuntimeError(f"saved {len(saved)} group steps for "
+                                   f"{_class_name(opt)}, it has {len(opt.param_groups)}")
+            for group, value in zip(opt.param_groups, saved):
+                if value is None:
+                    group.pop("step", None)
+                else:
+                    group["step"] = int(value)
+            continue
+        if step is None or kind.step_in != "param":
             continue
         for group in opt.param_groups:
             for p in group["params"]:
                 st = opt.state[p]
-                if "step" not in st:
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                if "exp_avg" not in st:
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if "exp_avg_sq" not in st:
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                old = st.get("step")
+                st["step"] = (torch.full((), float(step), dtype=old.dtype, device=old.device)
+                              if torch.is_tensor(old) and old.device.type != "cpu"
+                              else torch.tensor(float(step), dtype=torch.float32))
 
 
-def adam_steps(optimizer) -> list:
-    """The Adam step count of each torch optimizer (None where it has no state yet).
-
-    All params of one optimizer step together, so one number each; a disagreement means
-    the state is already corrupt (bug 3) and is reported instead of saved.
-    """
-    steps = []
-    for opt in torch_optimizers(optimizer):
-        values = {float(st["step"]) for st in opt.state.values() if "step" in st}
-        if len(values) > 1:
-            raise RuntimeError(f"Adam params disagree on their step count: {sorted(values)}")
-        steps.append(values.pop() if values else None)
-    return steps
-
-
-def set_adam_steps(optimizer, steps: list) -> None:
-    """Give every param its own step tensor with the saved value."""
-    opts = torch_optimizers(optimizer)
-    if len(steps) != len(opts):
-        raise RuntimeError(f"saved Adam steps for {len(steps)} optimizers, have {len(opts)}")
-    for opt, step in zip(opts, steps):
-        if step is None:
-            continue
-        for group in opt.param_groups:
-            for p in group["params"]:
-                opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+adam_steps, set_adam_steps = optimizer_steps, set_optimizer_steps  # the older names
 
 
 def load_state_dict_in_place(optimizer, state_dict) -> None:

@@ -11,8 +11,12 @@ come from"):
   stage is blocked in it (a bubble). With ``overlap_p2p_comm`` the exchange only posts
   requests; their ``wait()`` is wrapped instead, so the real waits are seen either way.
 
-Both report to a :class:`reft_ext.report.timeline.PipelineEvents`. The timers are also the
-seam of ``--inject-fault ...@forward|backward|send|recv`` (reft_ext/testing/
+Both report to a :class:`reft_ext.report.timeline.PipelineEvents`. On a GPU the step
+profile HAS plans with is measured by CUDA events instead (``GpuIdleClock``,
+reft_ext/save/bubbles.py): a p2p call returns before the GPU is idle, so the bubble is
+the compute stream's idle time between compute phases; the CPU path is unchanged.
+
+The timers are also the seam of ``--inject-fault ...@forward|backward|send|recv`` (reft_ext/testing/
 fault_specs.py): a rank with such a fault gets them even when no events are wanted. ``check_seams()`` verifies
 that megatron-core still has the signatures this relies on; tests/integration/test_has.py runs it,
 so an upgrade that moves them fails a test rather than silently losing the bubbles.
@@ -22,12 +26,14 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from reft_ext.report.timeline import PipelineEvents
+from reft_ext.save.bubbles import GpuIdleClock, GpuStepProfile
 from reft_ext.testing import fault_point
 
 COMPUTE_PHASES = ("forward-compute", "backward-compute")
@@ -57,6 +63,8 @@ class _PhaseTimer:
         if owner.events is not None:
             if self.name in COMPUTE_PHASES:
                 owner.events.phase_begin(self.name)
+                if owner.clock is not None:
+                    owner.clock.compute_begin()
             elif "send" in self.name or "recv" in self.name:
                 owner.p2p_phase = self.name
         if owner.iteration is not None:  # --inject-fault ...@forward|backward|send|recv
@@ -65,6 +73,8 @@ class _PhaseTimer:
 
     def stop(self, barrier: bool = False) -> None:
         if self.name in COMPUTE_PHASES and self.owner.events is not None:
+            if self.owner.clock is not None:
+                self.owner.clock.compute_end()
             self.owner.events.phase_end(self.name)
 
 
@@ -80,6 +90,7 @@ class PhaseTimers:
         self.events = events
         self.iteration: int | None = None
         self.p2p_phase = "p2p"
+        self.clock: GpuIdleClock | None = None  # set by install() on a GPU
         self._timers: dict[str, _PhaseTimer] = {}
 
     def __call__(self, name: str, log_level: int | None = None) -> _PhaseTimer:
@@ -129,14 +140,21 @@ class EventP2PCommunicator(P2PCommunicator):
             self.events.wait_end()
 
 
-def install(config, events: PipelineEvents | None) -> dict:
+def install(config, events: PipelineEvents | None, on_gpu: bool | None = None) -> dict:
     """Point ``config.timers`` at the events and return the extra keyword arguments for
     the forward-backward function (a communicator that reports waits), {} without PP.
-    ``events`` None: only the fault seam (the timers), megatron-core's own communicator."""
+    ``events`` None: only the fault seam (the timers), megatron-core's own communicator.
+    ``on_gpu`` (None: CUDA is in use, the model having been built there): bubbles and
+    compute are timed by CUDA events (GpuIdleClock), not by the CPU."""
     timers = PhaseTimers(events)
     config.timers = timers
     if events is None or mpu.get_pipeline_model_parallel_world_size() == 1:
         return {}
+    if on_gpu is None:
+        on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if on_gpu:
+        timers.clock = GpuIdleClock()
+        events.profile = GpuStepProfile(timers.clock)
     comm = EventP2PCommunicator(mpu.get_pipeline_model_parallel_group(), config, events,
                                 timers)
     pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=_SCHEDULE_GROUPS)

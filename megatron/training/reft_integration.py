@@ -38,7 +38,7 @@ from megatron.training.utils import emit
 from reft_ext.cluster import shrink
 from reft_ext.cluster.health import run_health_check
 from reft_ext.cluster.health_config import HealthConfig
-from reft_ext.config import ReftConfig
+from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.load.rollback import RollbackConfig
 from reft_ext.report.events import emit as reft_emit, record
 from reft_ext.session import DisabledSession, ReftSession
@@ -60,6 +60,45 @@ def _all_dp_groups() -> list[list[int]]:
     return groups
 
 
+def host_group_refusal(backend: str) -> str | None:
+    """Why a process group of ``backend`` (as ``dist.get_backend`` names it: "gloo",
+    "nccl", "cpu:gloo,cuda:nccl") cannot carry host (CPU) tensors, or None when it can:
+    REFT's collectives move CPU tensors, which only a gloo backend for the CPU carries
+    (NCCL takes CUDA tensors only)."""
+    text = str(backend).lower().replace(" ", "")
+    if ":" in text:  # per device: the CPU's entry decides
+        cpu = dict(p.split(":", 1) for p in text.split(",") if ":" in p).get("cpu")
+    else:
+        cpu = text
+    if cpu == "gloo":
+        return None
+    return (f"its backend {backend!r} has {'no CPU backend' if cpu is None else cpu!r} "
+            f"for host tensors (gloo needed)")
+
+
+def host_dp_group(all_dp_groups: list[list[int]]):
+    """The data-parallel group REFT's host tensors travel on: megatron-core's gloo DP
+    group, made here when megatron-core made none (``create_gloo_process_groups=False``;
+    collective: every rank creates every DP group, in the same order); refused by name,
+    before training, when it cannot carry CPU tensors. Never the NCCL DP group."""
+    try:
+        group = mpu.get_data_parallel_group_gloo()
+    except AssertionError:  # megatron-core asserts where it made no gloo groups
+        group = None
+    if group is None:
+        rank = torch.distributed.get_rank()
+        for ranks in all_dp_groups:
+            pg = torch.distributed.new_group(ranks=ranks, backend="gloo")
+            if rank in ranks:
+                group = pg
+    why = host_group_refusal(torch.distributed.get_backend(group))
+    if why is not None:
+        raise ReftConfigError(f"REFT's data-parallel group for host tensors cannot carry "
+                              f"CPU tensors: {why}; initialize megatron-core's model "
+                              f"parallel state with create_gloo_process_groups=True")
+    return group
+
+
 class MegatronStateAdapter:
     """REFT's view of a TrainingState (reft_ext.session.SessionAdapter): which tensors
     are replicated across the sharding group (model params, and the optimizer state
@@ -72,9 +111,9 @@ class MegatronStateAdapter:
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.global_batch_size = args.global_batch_size
-        self.dp_group = mpu.get_data_parallel_group_gloo() or mpu.get_data_parallel_group()
-        self.dp_ranks = sorted(torch.distributed.get_process_group_ranks(self.dp_group))
         self.all_dp_groups = _all_dp_groups()
+        self.dp_group = host_dp_group(self.all_dp_groups)  # gloo, checked (host tensors)
+        self.dp_ranks = sorted(torch.distributed.get_process_group_ranks(self.dp_group))
         self.control_group = torch.distributed.new_group(backend="gloo")
         # what the HAS scheduler's 1F1B formula needs: (pp, vpp, micro-batches)
         self.pipeline = (args.pipeline_model_parallel_size,
@@ -163,8 +202,11 @@ def open_session(args, state: TrainingState, faults=(), events=None, trace_group
     cfg = ReftConfig.from_args(args)
     if not cfg.enabled:
         return DisabledSession(cfg.trace_file, events, trace_group)
-    # a fresh optimizer has no Adam state yet: create it so the layout is final
-    optimizer_state.ensure_adam_state(state.optimizer)
+    # a fresh optimizer has no state yet: create all of it (per optimizer kind, unknown
+    # kinds refused by name) so the layout is final, and after the first step check that
+    # no state appeared the layout does not hold (optimizer_state.py)
+    optimizer_state.ensure_state(state.optimizer)
+    optimizer_state.FirstStepCheck(state.optimizer, [t for _, t in state.state_tensors()])
     adapter = MegatronStateAdapter(state, args)
     session = ReftSession(cfg, adapter, state, events=events, trace_group=trace_group,
                           rollback=RollbackConfig.from_args(args),

@@ -7,7 +7,8 @@ snapshots (reft_ext) capture exactly this object, so both resume bit-exactly.
 
 The tensors of the state are enumerated by :meth:`TrainingState.state_tensors` in a
 fixed order: model parameters, then the optimizer's main (fp32) parameters where they
-are not views of model parameters, then Adam's moments.
+are not views of model parameters, then the optimizer's state tensors (Adam's
+moments, SGD's momentum buffers: optimizer_state.py).
 """
 
 from __future__ import annotations
@@ -91,30 +92,33 @@ class TrainingState:
             for name, p in chunk.module.named_parameters():
                 out.append((f"model{i}.{name}", p.data))
                 model_ptrs.add(p.data.untyped_storage().data_ptr())
-        for j, (p, st) in enumerate(optimizer_state.main_params_and_states(self.optimizer)):
+        # the optimizer's state tensors as its kind keeps them (optimizer_state.py's
+        # table): Adam's exp_avg/exp_avg_sq keep their names, SGD adds momentum_buffer
+        for j, (p, st, keys) in enumerate(optimizer_state.captured_states(self.optimizer)):
             if p.data.untyped_storage().data_ptr() not in model_ptrs:
                 out.append((f"optim.main{j}", p.data))
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in keys:
                 if key in st:
                     out.append((f"optim.{key}{j}", st[key]))
         return out
 
     # ---- small state: everything but the tensors ------------------------------------
     def metadata(self) -> dict:
-        """Counters, RNG, scheduler, Adam step counts, loss scaler: with
+        """Counters, RNG, scheduler, optimizer step counts, loss scaler: with
         :meth:`state_tensors` this is the whole training state."""
         return {
             "counters": self.counters(),
             "rng": self.rng_state(),
-            "adam_steps": optimizer_state.adam_steps(self.optimizer),
+            # the saved name predates other optimizers: one entry per torch optimizer
+            "adam_steps": optimizer_state.optimizer_steps(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": _grad_scaler_state(self.optimizer),
             "extra": copy.deepcopy(self.extra),
         }
 
     def load_metadata(self, meta: dict) -> None:
-        optimizer_state.ensure_adam_state(self.optimizer)
-        optimizer_state.set_adam_steps(self.optimizer, meta["adam_steps"])
+        optimizer_state.ensure_state(self.optimizer)
+        optimizer_state.set_optimizer_steps(self.optimizer, meta["adam_steps"])
         # OptimizerParamScheduler.load_state_dict *advances* by the saved step count (it
         # expects a fresh scheduler), so rewind a live one first
         self.scheduler.num_steps = 0
@@ -132,7 +136,7 @@ class TrainingState:
 
     @torch.no_grad()
     def restore(self, snap: dict) -> None:
-        optimizer_state.ensure_adam_state(self.optimizer)
+        optimizer_state.ensure_state(self.optimizer)
         current = self.state_tensors()
         if [n for n, _ in current] != [n for n, _ in snap["tensors"]]:
             raise RuntimeError("snapshot does not match this model/optimizer layout")
@@ -163,5 +167,5 @@ def params_hash(state: TrainingState) -> str:
     h = hashlib.sha256()
     for name, t in state.state_tensors():
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()

@@ -44,13 +44,34 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
+def batch_device() -> torch.device | None:
+    """Where micro-batches go: this rank's CUDA device (set before the process group in
+    initialize.py), or None on a machine without CUDA (the loader's tensors are used)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def batch_to_device(batch: dict, device: torch.device | None) -> dict:
+    """The micro-batch with its tensors on ``device``; None values and anything that is
+    not a tensor stay as they are, and ``device`` None returns ``batch`` itself. Pinned
+    host tensors are copied asynchronously on the current stream (the caching host
+    allocator keeps their memory until the copy is done); pageable ones synchronously."""
+    if device is None:
+        return batch
+    return {k: v.to(device, non_blocking=v.is_pinned()) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
+
+
 def forward_step(data_iterator, model):
     """One micro-batch through one model chunk. Only chunks that embed tokens or
     compute the loss read a batch, so each rank draws exactly one batch per
-    micro-batch from its iterator, in the schedule's order."""
+    micro-batch from its iterator, in the schedule's order. The batch goes to the
+    model's device; an attention mask the loader did not make (--transformer-impl
+    transformer_engine) stays None and the attention builds its causal mask there."""
     module = model.module
     pre, post = module.pre_process, module.post_process
-    batch = next(data_iterator) if (pre or post) else {}
+    batch = batch_to_device(next(data_iterator), batch_device()) if (pre or post) else {}
     output = model(
         batch.get("tokens") if pre else None,
         batch.get("position_ids") if pre else None,

@@ -6,11 +6,15 @@ process groups rendezvous under the store prefix ``reft/ip/g<g>/``; when any ran
 dies, hangs or sees a collective fail, ``abort/<g>`` is set in the supervisor's store and
 
 1. every rank's :class:`AbortWatcher` thread notices within ``POLL_S`` and *aborts its
-   communicators*: gloo has no working ``abort()`` for a rank blocked in a collective
-   (``ProcessGroup.abort`` returns and the wait goes on: measured on torch 2.13), so the
-   watcher shuts down the process's peer TCP connections, which wakes every blocked
-   gloo wait with an error (the CPU counterpart of ``ncclCommAbort``; on NCCL the
-   process groups' own ``abort`` does this and the sockets are left alone);
+   communicators*, each backend by its own means (:func:`plan_abort`): NCCL groups by
+   their own ``ProcessGroupNCCL.abort()`` (``ncclCommAbort``: it ends the kernels in
+   flight and closes NCCL's sockets itself), then the CUDA streams are drained
+   (bounded); gloo has no working ``abort()`` for a rank blocked in a collective
+   (``ProcessGroup.abort`` returns and the wait goes on: measured on torch 2.13), so
+   for gloo groups the watcher then shuts down the process's remaining peer TCP
+   connections, which wakes every blocked gloo wait with an error. Where an abort is
+   unsafe (an unknown backend, NCCL without CUDA) or fails (an error, a timeout), no
+   socket is touched: the rank logs why and exits, a process restart;
 2. the trainer catches the error (:meth:`Generation.is_failure` tells a peer's failure
    from a bug of its own), tears its groups down and reports ``ready/<g>/<rank>``;
 3. the supervisor gives the dead ranks' places to replacements (warm spares when it has
@@ -41,6 +45,7 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +56,8 @@ ENV_GENERATION = "REFT_GENERATION"      # the generation this process joins firs
 ENV_SECRET = "REFT_INPROCESS_SECRET"   # hex of the job's 32-byte HMAC key (never stored)
 PREFIX = "reft/ip"
 POLL_S = 0.05                           # how often a rank looks for an abort
+ABORT_TIMEOUT_S = 60.0                  # NCCL abort, then the CUDA drain, each at most
+EXIT_UNSAFE_ABORT = 1                   # the watcher's exit where aborting failed
 
 # what a collective raises when a peer died or our own abort closed its connections
 PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -222,6 +229,91 @@ def shutdown_peer_sockets(exclude_ports: set[int]) -> int:
     return n
 
 
+# ---- aborting the communicators, each backend by its own means ------------------------
+@dataclass(frozen=True)
+class AbortPlan:
+    """What aborting this process's groups takes (:func:`plan_abort`)."""
+    nccl: tuple[str, ...]   # groups whose NCCL backend gets ProcessGroupNCCL.abort()
+    sockets: bool           # gloo groups exist: shut the remaining peer sockets after
+    unsafe: str             # non-empty: no in-process abort (the reason); restart the process
+
+
+def plan_abort(groups, cuda_available: bool, nccl_available: bool) -> AbortPlan:
+    """``groups``: (name, backend) per process group, the backend as
+    ``dist.get_backend`` says it ("gloo", "nccl", "cpu:gloo,cuda:nccl"). NCCL parts are
+    aborted by NCCL, gloo parts by socket shutdown (after NCCL's abort, so that no NCCL
+    socket is ever shut by us); anything else cannot be aborted safely here."""
+    nccl, gloo, unsafe = [], False, []
+    for name, backend in groups:
+        parts = {p.rpartition(":")[2].strip() for p in str(backend).lower().split(",")}
+        if parts - {"gloo", "nccl"}:
+            unsafe.append(f"group {name} has backend {backend!r} (only gloo and nccl "
+                          f"can be aborted in process)")
+        if "nccl" in parts:
+            nccl.append(name)
+        gloo = gloo or "gloo" in parts
+    if nccl and not (cuda_available and nccl_available):
+        unsafe.append(f"NCCL groups {nccl} without CUDA/NCCL in this process")
+    return AbortPlan(tuple(nccl), gloo, "; ".join(unsafe))
+
+
+def _bounded(fn, timeout_s: float, what: str) -> str:
+    """Run ``fn`` on a daemon thread for at most ``timeout_s``: "" or why it failed."""
+    err: list = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported, the caller decides
+            err.append(exc)
+    t = threading.Thread(target=run, name=f"reft-{what}", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return f"{what} did not return within {timeout_s:.0f} s"
+    return f"{what} failed: {err[0]!r}" if err else ""
+
+
+def _abort_nccl(pgs: list) -> None:
+    """ProcessGroupNCCL.abort() of each group, inside one ncclGroupStart/End as torch's
+    own ``_abort_process_group`` does (separate aborts can deadlock: torch #119797)."""
+    backends = [pg._get_backend(torch.device("cuda")) for pg in pgs]
+    backends[0]._group_start()
+    try:
+        for b in backends:
+            b.abort()
+    finally:
+        backends[0]._group_end()
+
+
+def abort_communicators(exclude_ports: set[int], device=None,
+                        timeout_s: float = ABORT_TIMEOUT_S) -> tuple[AbortPlan, int, str]:
+    """Abort every process group of this process per :func:`plan_abort`, draining
+    ``device``'s CUDA streams after NCCL's abort. Returns (plan, sockets shut, failure);
+    on a failure nothing further is done (NCCL's sockets are NCCL's)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    described = []
+    for pg, name in list(c10d._world.pg_names.items()):  # a copy: the main thread runs
+        try:
+            described.append((pg, name, str(torch.distributed.get_backend(pg))))
+        except Exception as exc:  # noqa: BLE001 - a destroyed group: nothing to abort
+            described.append((pg, name, f"unknown ({exc})"))
+    plan = plan_abort([(n, b) for _, n, b in described], torch.cuda.is_available(),
+                      torch.distributed.is_nccl_available())
+    if plan.unsafe:
+        return plan, 0, plan.unsafe
+    if plan.nccl:
+        pgs = [pg for pg, name, _ in described if name in plan.nccl]
+        failure = _bounded(lambda: _abort_nccl(pgs), timeout_s, "ProcessGroupNCCL.abort()")
+        if not failure and device is not None:
+            failure = _bounded(lambda: torch.cuda.synchronize(device), timeout_s,
+                               f"draining the CUDA streams of {device}")
+        if failure:
+            return plan, 0, failure
+    return plan, (shutdown_peer_sockets(exclude_ports) if plan.sockets else 0), ""
+
+
 def is_peer_error(exc: BaseException) -> bool:
     """What a collective raises when a peer died or the connections were aborted."""
     text = f"{type(exc).__name__}: {exc}"
@@ -235,12 +327,19 @@ class Generation:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.gen = int(os.environ.get(ENV_GENERATION, "0"))
+        # before any ProcessGroupNCCL exists: its watchdog must not tear this process
+        # down on the errors our own abort causes (torch's _abort_process_group note);
+        # a hang is the supervisor's and the abort watcher's to end
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         self.secret = job_secret()
         self.store = _connect(timeout_s=24 * 3600)  # waits for the next generation
         self.store_port = int(os.environ[ENV_STORE].rsplit(":", 1)[1])
         self.aborted = threading.Event()
         self.abort_reason = ""
+        self.abort_failure = ""  # why aborting in process failed: restart the process
+        self._abort_lock = threading.Lock()  # the watcher and the trainer may both abort
         self.sockets_closed = 0
+        self.device = None  # the CUDA device the trainer uses (drained at an abort)
         self._watcher: AbortWatcher | None = None
 
     # ---- the process groups of one generation --------------------------------------
@@ -252,7 +351,10 @@ class Generation:
     def watch(self) -> None:
         """Start the abort watcher for the current generation."""
         self.aborted.clear()
-        self.abort_reason = ""
+        self.abort_reason = self.abort_failure = ""
+        # the trainer's device, from its thread (the current device is per thread)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._watcher = AbortWatcher(self)
         self._watcher.start()
 
@@ -268,12 +370,25 @@ class Generation:
         return self.aborted.is_set() or is_peer_error(exc)
 
     def abort_now(self, reason: str) -> None:
-        """Abort this rank's communicators (idempotent; called by the watcher thread)."""
-        if self.aborted.is_set():
-            return
-        self.abort_reason = reason
-        self.sockets_closed = shutdown_peer_sockets({self.store_port})
-        self.aborted.set()
+        """Abort this rank's communicators (idempotent; called by the watcher thread,
+        and by the trainer, which then finds :attr:`abort_failure` set or not)."""
+        with self._abort_lock:
+            if self.aborted.is_set():
+                return
+            self.abort_reason = reason
+            _, self.sockets_closed, self.abort_failure = abort_communicators(
+                {self.store_port}, self.device)
+            self.aborted.set()
+
+    def fall_back(self, why: str) -> None:
+        """Aborting in process failed while the trainer may be blocked on the device:
+        say why and exit; the supervisor replaces this rank like a dead one."""
+        from reft_ext.report.events import emit
+
+        emit("inprocess_unsafe", f"rank {self.rank}: in-process restart impossible "
+             f"({why}); restarting as a new process", rank=self.rank, generation=self.gen,
+             why=why)
+        os._exit(EXIT_UNSAFE_ABORT)
 
     # ---- the next generation --------------------------------------------------------
     def next_generation(self, timeout_s: float) -> int:
@@ -345,8 +460,12 @@ class AbortWatcher(threading.Thread):
                     reason = read_signed(self.store, self.g.secret, k, self.gen_no)
                     if reason:
                         self.g.abort_now(reason)
+                        if self.g.abort_failure:
+                            self.g.fall_back(self.g.abort_failure)
                         return
             except Exception as exc:  # noqa: BLE001 - the supervisor's store is gone
                 self.g.abort_now(f"supervisor store unreachable: {exc}")
+                if self.g.abort_failure:
+                    self.g.fall_back(self.g.abort_failure)
                 return
             self._halt.wait(POLL_S)

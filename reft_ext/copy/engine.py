@@ -159,7 +159,10 @@ class CopyEngine:
         self.native = self._cpu is not None
         self._closed = False
 
-    def submit(self, items: Sequence[CopyItem]) -> CopyHandle:
+    def submit(self, items: Sequence[CopyItem], after: dict | None = None) -> CopyHandle:
+        """``after``: {device index: torch.cuda.Event}: device copies wait for that event
+        (REFT-save: recorded after the optimizer step) instead of for everything queued
+        on the device's current stream so far; None: the current stream, as before."""
         if self._closed:
             raise RuntimeError("CopyEngine is closed")
         t0 = time.perf_counter()
@@ -181,7 +184,7 @@ class CopyEngine:
         if cpu:
             parts.append(self._submit_cpu(cpu))
         if gpu:
-            parts += self._submit_gpu(gpu)
+            parts += self._submit_gpu(gpu, after)
         return CopyHandle(parts, keep, total, t0)
 
     def _submit_cpu(self, pairs):
@@ -204,7 +207,7 @@ class CopyEngine:
             self._streams[idx] = torch.cuda.Stream(device=idx)
         return self._streams[idx]
 
-    def _submit_gpu(self, pairs):
+    def _submit_gpu(self, pairs, after: dict | None = None):
         last: dict[int, object] = {}  # per stream, only the last event matters (stream order)
         for s, d in pairs:
             dev = s.device if s.device.type == "cuda" else d.device
@@ -212,7 +215,11 @@ class CopyEngine:
             raw = stream if isinstance(stream, int) else stream.cuda_stream
             with torch.cuda.device(dev):
                 if not isinstance(stream, int):
-                    stream.wait_stream(torch.cuda.current_stream(dev))
+                    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+                    if after is not None and idx in after:
+                        stream.wait_event(after[idx])
+                    else:
+                        stream.wait_stream(torch.cuda.current_stream(dev))
                     for t in (s, d):  # the caching allocator must not reuse these early
                         if t.device.type == "cuda":
                             t.record_stream(stream)

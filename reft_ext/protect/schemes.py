@@ -171,6 +171,14 @@ class AEC(Protection):
     def encode(self, layout, out, lo=0):
         group = self.placement.parity_group(layout.member)
         m, S, n = group.index(layout.member), self.redundancy_bytes(layout), out.numel()
+        reader = getattr(layout.replicated, "device_reader", None)
+        if reader is not None and layout.replicated.on_device:
+            # state on a GPU: XOR there (CUDA kernel), only the parity crosses to the host;
+            # XOR is order-free, so the bytes are the loop's below
+            starts = [layout.slice_range(member)[0] + self._k(j, m) * S + lo
+                      for j, member in enumerate(group) if j != m]
+            reader.xor_read(layout.replicated, starts, out)
+            return
         tmp = torch.empty(n, dtype=torch.uint8)
         first = True
         for j, member in enumerate(group):

@@ -22,6 +22,7 @@ from reft_ext.store.checksum import CHUNK, chunk_digest
 from reft_ext import _native
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
+from reft_ext.copy.staging import DeviceToHost
 from reft_ext.state.layout import StateLayout
 from reft_ext.state.regions import Region
 from reft_ext.protect.placement import check_placement, place
@@ -99,6 +100,7 @@ class ReftSnapshotter:
                 self.placement, adapter.torch_optimizers(),
                 alloc=lambda n: self.store.buffer("aor", n))
             aor_bytes = self.aor_peer_spec.nbytes
+            self._check_aor_verification()
         self.regions = snapshot_regions(self.layout, self.protection, aor_bytes)
         self.nbytes = sum(n for _, n in self.regions.values())
         self.aor_checks = [0, 0]  # verifications, mismatches
@@ -117,6 +119,12 @@ class ReftSnapshotter:
         tensors = self.layout.replicated.tensors + self.layout.owned.tensors
         cpu = all(t.device.type == "cpu" for t in tensors)
         self.unit_engine = CopyEngine(1) if _native.C is not None and cpu else None
+        # device tensors: D2H into pinned staging on a side stream that waits for an event
+        # recorded after the optimizer step (never a pageable copy_ on the training stream)
+        self.stager = None if cpu else DeviceToHost(tensors)
+        if self.stager is not None:
+            self.layout.replicated.device_reader = self.stager
+            self.layout.owned.device_reader = self.stager
         self.events = events or PipelineEvents(adapter.rank)
         self.pipeline = getattr(adapter, "pipeline", (1, 1, 1))  # (pp, vpp, micro-batches)
         self.pending: Batch | None = None
@@ -133,6 +141,25 @@ class ReftSnapshotter:
         # last: its reservation thread is the only thing a refused start must stop
         # (ReftSession.release_start), so nothing after it may fail
         self._check_memory()
+
+    def _check_aor_verification(self) -> None:
+        """Fail closed: a replica that cannot replay its owner bit for bit (an owner on a
+        GPU) is exact only at verified iterations (docs/aor.md), so every snapshot must
+        fall on one. (Every rank of a job is on the same kind of device: one answer.)"""
+        from reft_ext.config import ReftConfigError
+
+        cfg = self.cfg
+        if self.aor.owner.spec.bit_identical and self.aor_peer_spec.bit_identical:
+            return
+        every = cfg.aor_verify_every
+        if every == 0 or cfg.snapshot_every % every:
+            raise ReftConfigError(
+                f"--reft-aor-verify-every {every}: the AOR replica of an optimizer shard "
+                f"on a {self.aor.owner.spec.device} device is exact only where it is "
+                f"verified (and re-synced) against its owner, so every snapshot "
+                f"(--reft-snapshot-every {cfg.snapshot_every}) must fall on a "
+                f"verification: use --reft-aor-verify-every {cfg.snapshot_every} or a "
+                f"divisor of it")
 
     def start(self) -> None:
         """Before the first step (after any recovery): holders get their owners' shards
@@ -219,6 +246,8 @@ class ReftSnapshotter:
     def _begin(self, iteration: int) -> Batch:
         """Units of work for the state as it is now, metadata captured now."""
         lay, units = self.layout, []
+        if self.stager is not None:
+            self.stager.mark()  # the state of this step: what the side stream copies
         self.signals.set(node_status.SNAP, detail=f"snapshot of iteration {iteration}")
         slot, buf = self.store.begin(self.nbytes)
         start = lay.slice_range(self.member)[0]
@@ -318,6 +347,8 @@ class ReftSnapshotter:
         aor_done = self.aor is None or self.aor.abandon()
         if self.unit_engine is not None:
             self.unit_engine.close()
+        if self.stager is not None:
+            self.stager.close()
         if aor_done:  # an AOR thread still applying a message must not lose its mapping
             self.store.close()
 
@@ -327,6 +358,8 @@ class ReftSnapshotter:
             self.aor.close()
         if self.unit_engine is not None:
             self.unit_engine.close()
+        if self.stager is not None:
+            self.stager.close()
         self.schedule.close()
         if remove:
             self.store.remove()

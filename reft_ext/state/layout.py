@@ -61,6 +61,11 @@ class StreamLayout:
             self.offsets.append(off)
             off += t.numel()
         self.nbytes = off
+        self.on_device = any(t.device.type != "cpu" for t in self.tensors)
+        # REFT-save of device tensors (reft_ext/copy/staging.py DeviceToHost, set by the
+        # snapshotter): host reads go D2H through pinned staging on a side stream, not a
+        # pageable copy_ on the training stream
+        self.device_reader = None
 
     def pieces(self, start: int, end: int) -> list[Piece]:
         """The tensor pieces covering stream bytes [start, end) (padding has none)."""
@@ -73,6 +78,9 @@ class StreamLayout:
 
     def read(self, start: int, end: int, out: torch.Tensor) -> None:
         """Copy stream bytes [start, end) into ``out`` (uint8), zero-filling padding."""
+        if self.device_reader is not None and self.on_device and out.device.type == "cpu":
+            self.device_reader.read(self, start, end, out)
+            return
         covered = 0
         for p in self.pieces(start, end):
             out[p.dst_off:p.dst_off + p.n].copy_(self.tensors[p.index][p.src_off:p.src_off + p.n])
@@ -82,15 +90,19 @@ class StreamLayout:
 
     @torch.no_grad()
     def write(self, start: int, src: torch.Tensor) -> None:
-        """Copy ``src`` (uint8) into stream bytes [start, start+len(src))."""
+        """Copy ``src`` (uint8) into stream bytes [start, start+len(src)). A device
+        tensor gets a blocking H2D ``copy_`` (complete on return): host bytes never go
+        through a device pointer."""
         for p in self.pieces(start, start + src.numel()):
             self.tensors[p.index][p.src_off:p.src_off + p.n].copy_(src[p.dst_off:p.dst_off + p.n])
 
     def checksum(self, start: int, end: int) -> int:
-        """Checksum of stream bytes [start, end), padding as zeros, from the source tensors."""
+        """Checksum of stream bytes [start, end), padding as zeros, from the source tensors
+        (a device piece is copied to the host first, explicitly: a blocking D2H)."""
         h, covered = Checksum(), 0
         for p in self.pieces(start, end):
-            h.update(self.tensors[p.index][p.src_off:p.src_off + p.n])
+            piece = self.tensors[p.index][p.src_off:p.src_off + p.n]
+            h.update(piece if piece.device.type == "cpu" else piece.cpu())
             covered += p.n
         if covered < end - start:
             h.update(bytes(end - start - covered))

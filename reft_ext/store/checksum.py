@@ -28,7 +28,15 @@ ALGORITHMS = ("xxh3_64/4M", "crc32/4M", "xxh3_64", "crc32")
 
 
 def _buf(piece):
-    return piece.numpy() if isinstance(piece, torch.Tensor) else piece
+    """The bytes of a host piece. A device tensor is refused, not synced and copied here:
+    a hidden device->host copy would stall the training stream (copy it to host memory
+    first, e.g. through reft_ext/copy/staging.py, where the stall can be placed)."""
+    if not isinstance(piece, torch.Tensor):
+        return piece
+    if piece.device.type != "cpu":
+        raise ValueError(f"checksum of a {piece.device} tensor: only host tensors are hashed; "
+                         f"copy it to host memory first (reft_ext/copy/staging.py to_host)")
+    return piece.numpy()
 
 
 def _flat(algorithm: str):

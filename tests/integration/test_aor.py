@@ -1,7 +1,8 @@
 """AOR: a holder's host replica of a peer's ZeRO-1 optimizer shard stays bit-identical to
 the owner's shard, iteration after iteration, through lr warm-up, cosine decay, weight
 decay (on for matrices, off for norms) and gradient clipping; and the check that says so
-does catch a replica that differs (one flipped bit, or an lr a few float32 ulps off)."""
+does catch a replica that differs (one flipped bit, or an lr a few float32 ulps off),
+and then re-syncs it from its owner, bit-identical again from the next iteration on."""
 
 import re
 import threading
@@ -64,15 +65,19 @@ def check(run, rows, perturbed_rank=None, at=None, iters=ITERS):
         # one message per step: header (3 + 2 groups x (lr, wd)) x 8 B + fp32 grads
         assert r["bytes_per_step"] == 8 * (3 + 2 * 2) + 4 * r["shard_numel"]
         if rank == perturbed_rank:
-            assert r["matched"] == at - 1, r
-            assert r["mismatched"] == ",".join(str(i) for i in range(at, iters + 1)), r
-            assert (r["valid"], r["full_equal"], r["step"]) == (0, 0, at), r
+            # detected at ``at``, re-synced from the owner there, bit-identical after
+            assert r["matched"] == iters - 1, r
+            assert r["mismatched"] == at, r  # the only one
+            assert (r["valid"], r["full_equal"], r["step"]) == (1, 1, iters), r
             assert f"[AOR] rank {rank}: MISMATCH at iteration {at}:" in run.output
+            assert f"[AOR] rank {rank}: replica of rank {r['holds']} re-synced from its " \
+                f"owner at iteration {at}" in run.output
         else:
             assert (r["matched"], r["mismatched"], r["valid"]) == (iters, "-", 1), r
             assert r["full_equal"] == 1 and r["step"] == iters, r
             assert r["distinct"] == iters, r  # the replica advanced every iteration
     assert run.output.count("MISMATCH") == (perturbed_rank is not None)
+    assert run.output.count("re-synced") == (perturbed_rank is not None)
     assert "WARNING" not in "\n".join(ln for ln in run.output.splitlines() if "[AOR]" in ln)
 
 

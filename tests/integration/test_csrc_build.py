@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -70,6 +71,47 @@ def test_gpu_variant_builds_links_and_imports(tmp_path):
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True", "True"]
+    # one CUDA runtime: the shared libcudart (the one torch loads), never cudart_static
+    so = next((tmp_path / "lib" / "reft_ext").glob("_C*.so"))
+    dyn = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
+    assert "libcudart.so" in dyn, dyn
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True,
+                          text=True).stdout
+    assert "cudaMemcpyAsync" not in syms  # a static runtime would define it inside _C
+
+
+def test_cuda_link_plan_is_shared_cudart_of_torchs_major(monkeypatch):
+    """The CUDA part links -lcudart (shared) and refuses an nvcc of another CUDA major than
+    torch's, which would load a second runtime beside torch's."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    import torch  # noqa: PLC0415
+
+    major = setup_ext.nvcc_cuda_major(nvcc)
+    assert major is not None and major >= 10
+    libdirs, rpath, why = setup_ext.cudart_link_plan(nvcc)  # CPU torch: the toolkit's runtime
+    assert any(os.path.isfile(os.path.join(d, "libcudart.so")) for d in libdirs)
+    assert set(libdirs) <= set(rpath) and "shared libcudart" in why
+    monkeypatch.setattr(setup_ext, "torch_gpu_flavour", lambda: ("cuda", "test"))
+    monkeypatch.setattr(torch.version, "cuda", f"{major - 1}.8")
+    with pytest.raises(RuntimeError, match="second CUDA runtime"):
+        setup_ext.cudart_link_plan(nvcc)
+    monkeypatch.setattr(torch.version, "cuda", f"{major}.0")
+    assert setup_ext.cudart_link_plan(nvcc)[0] == libdirs
+
+
+def test_cuda_sources_never_read_back_the_shared_last_error():
+    """Error checks report the failing call's own return code; the thread's last-error slot
+    (which torch reads after its launches) is only cleared by clear_own_error, and kernels
+    are launched through cudaLaunchKernel (its return code) rather than <<<>>>."""
+    for name in ("copy_cuda.cu", "xor_cuda.cu"):
+        text = re.sub(r"//[^\n]*", "", open(os.path.join(CSRC, name)).read())  # code only
+        assert "cudaGetLastError" not in text and "<<<" not in text, name
+        assert "\"cudart_static\"" not in open(os.path.join(CSRC, "setup_ext.py")).read()
+    check = open(os.path.join(CSRC, "cuda_check.h")).read()
+    assert check.count("cudaGetLastError()") == 1  # inside clear_own_error only
+    assert "cudaPeekAtLastError() == own" in check
 
 
 def test_hipify_produces_hip_sources(tmp_path):
@@ -78,7 +120,7 @@ def test_hipify_produces_hip_sources(tmp_path):
     outs = setup_ext.hipify_sources(str(tmp_path / "hip"))
     assert len(outs) == len(setup_ext.GPU_SOURCES)
     text = "".join(open(p).read() for p in outs)
-    assert "hipMemcpyAsync" in text and "hipHostRegister" in text and "hipLaunchKernelGGL" in text
+    assert "hipMemcpyAsync" in text and "hipHostRegister" in text and "hipLaunchKernel(" in text
     assert "cudaMemcpyAsync" not in text and "cuda_runtime.h" not in text
     # the shared error-check header is converted too
     import glob

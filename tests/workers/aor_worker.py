@@ -11,7 +11,8 @@ Environment (set by tests/integration/test_aor.py):
       1 + 2**-20 (a few float32 ulps: a one-ulp change of the float64 lr usually vanishes
       when the kernels cast the step size to float32, and then the state IS identical).
   AOR_VERIFY_EVERY=N  verify every N iterations (default 1; 0 = never, for timing).
-      The test then expects a mismatch from that iteration on, on that holder only.
+      The test then expects a mismatch at that iteration, on that holder only, and the
+      replica re-synced from its owner there (matching again from the next one on).
 
 Prints one ``[AOR]`` summary line per rank (parsed by the test)."""
 

@@ -15,6 +15,13 @@ on tensors of the same dtype and shapes, with the owner's exact inputs:
 * skipped steps (found inf/nan) need nothing: megatron then never calls the torch step,
   on any rank (found_inf is all-reduced), so neither side moves.
 
+An owner on a GPU (torch Adam/AdamW on CUDA tensors) ships the same inputs: its gradient
+shard goes device -> pinned host on a side stream (:meth:`OwnerShard.capture` posts the
+copy, :meth:`OwnerShard.wait_capture` waits on its event), and every checksum is taken
+over host bytes. The CPU replay of a CUDA kernel is *not* bit-identical (other FMA and
+vectorization choices): ``ShardSpec.device`` says so, the transport's verify compares
+and re-syncs such a replica (docs/aor.md "Owners on a GPU").
+
 This module is plain torch (no megatron, no torch.distributed): :class:`OwnerShard` wraps
 the owner's torch optimizers, :class:`AORReplica` lives in a caller-provided uint8 buffer
 (e.g. a /dev/shm segment) laid out by :class:`ShardSpec`. The transport is
@@ -63,6 +70,12 @@ class ShardSpec:
     groups: tuple
     torch_version: str
     num_threads: int
+    device: str = "cpu"  # where the owner's Adam runs: only "cpu" is replayed bit for bit
+
+    @property
+    def bit_identical(self) -> bool:
+        """Does the holder's CPU replay reproduce the owner's update bit for bit?"""
+        return self.device == "cpu"
 
     @property
     def numels(self) -> list:
@@ -104,10 +117,31 @@ class ShardSpec:
         return 8 * self.header_len + 4 * self.numel
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (a device tensor is copied: checksums read host bytes only)."""
+    t = t.detach()
+    return t.to("cpu") if t.device.type != "cpu" else t
+
+
 def _checksum(pieces) -> int:
-    """xxh3-64 (crc32 without xxhash) of the concatenated bytes of CPU tensors: owner and
-    holder compare these, so both sides use this one function."""
-    return checksum_all([as_bytes(t.detach().contiguous()) for t in pieces], FLAT)
+    """xxh3-64 (crc32 without xxhash) of the concatenated bytes of the tensors, taken in
+    host memory: owner and holder compare these, so both sides use this one function."""
+    return checksum_all([as_bytes(_host(t).contiguous()) for t in pieces], FLAT)
+
+
+def _cat_into(src: list, out: torch.Tensor) -> None:
+    """Flatten ``src`` end to end into ``out`` (host), from host or device tensors."""
+    flat = [t.reshape(-1) for t in src]
+    if flat[0].device == out.device:
+        torch.cat(flat, out=out)
+    else:  # cat on the device, one copy down (torch.cat cannot write across devices)
+        out.copy_(torch.cat(flat))
+
+
+def host_buffer(nbytes: int, pinned: bool = False) -> torch.Tensor:
+    """A uint8 host buffer; ``pinned`` (page-locked) where a device copies into it
+    asynchronously (a pageable target makes a non_blocking copy synchronous)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
 
 def _views(flat: torch.Tensor, numels) -> list:
@@ -135,8 +169,19 @@ class OwnerShard:
                 raise NotImplementedError(
                     f"AOR replays torch.optim.Adam/AdamW only, not {type(o).__name__} "
                     "(apex/TE fused kernels have no bit-identical CPU twin)")
+        devices = {p.device for o in self.opts for g in o.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise NotImplementedError(f"AOR: the owner's main params live on several "
+                                      f"devices {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self._copy_stream = self._copied = None  # device owners: the D2H stream, event
         self.materialize()
         self.spec = self._spec()
+
+    @property
+    def on_device(self) -> bool:
+        """The shard lives on an accelerator: grads go down through pinned memory."""
+        return self.device.type != "cpu"
 
     def groups(self):
         for o in self.opts:
@@ -181,7 +226,8 @@ class OwnerShard:
                 foreach=bool(foreach), fused=bool(fused), capturable=bool(g["capturable"]),
                 differentiable=bool(g["differentiable"]),
                 decoupled_weight_decay=bool(g.get("decoupled_weight_decay", False))))
-        return ShardSpec(tuple(groups), torch.__version__, torch.get_num_threads())
+        return ShardSpec(tuple(groups), torch.__version__, torch.get_num_threads(),
+                         self.device.type)
 
     def _state(self, key: str) -> list:
         return [o.state[p][key] for o in self.opts for g in o.param_groups
@@ -195,7 +241,9 @@ class OwnerShard:
 
     def capture(self, header: torch.Tensor, grads: torch.Tensor, seq: int) -> None:
         """Fill a step message: call right before the torch step (step pre-hook), when the
-        grads are reduced, unscaled and clipped and the groups carry this step's lr/wd."""
+        grads are reduced, unscaled and clipped and the groups carry this step's lr/wd.
+        On a device the grads' copy is only posted (``grads`` must be pinned): call
+        :meth:`wait_capture` before anything reads ``grads``."""
         lrs, wds = [], []
         for g in self.groups():
             if isinstance(g["lr"], torch.Tensor):
@@ -207,8 +255,34 @@ class OwnerShard:
         params = self.params()
         if any(p.grad is None for p in params):
             raise RuntimeError("AOR: a main param has no grad at the optimizer step")
-        if params:
+        if params and self.on_device:
+            self._copy_down([p.grad for p in params], grads)
+        elif params:  # CPU: one memcpy, unchanged (the bit-identical path)
             torch.cat([p.grad.reshape(-1) for p in params], out=grads)
+
+    def _copy_down(self, src: list, out: torch.Tensor) -> None:
+        """Post flatten + device -> pinned host copy on a side stream, after the work
+        the compute stream has queued (the reduce-scatter, unscale, clip of ``src``);
+        an event marks its end. The optimizer's kernels run meanwhile (they only read
+        the grads, which stay alive until :meth:`wait_capture`)."""
+        if out.device.type != "cpu" or not out.is_pinned():
+            raise ValueError("AOR: a device owner's step message needs a pinned host "
+                             "buffer (host_buffer(n, pinned=True))")
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+            self._copied = torch.cuda.Event()
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            flat = torch.cat([t.reshape(-1) for t in src])
+            out.copy_(flat, non_blocking=True)
+            flat.record_stream(stream)  # freed by the allocator only after the copy
+            self._copied.record(stream)
+
+    def wait_capture(self) -> None:
+        """Block until the posted gradient copy is in host memory (no-op on CPU)."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def pieces(self) -> list:
         """The owner's state in the replica's byte order (for checksums and packing)."""
@@ -228,7 +302,7 @@ class OwnerShard:
                           ("exp_avg_sq", "exp_avg_sq")):
             src = self.params() if key is None else self._state(key)
             if src:
-                torch.cat([t.reshape(-1) for t in src], out=region(out, self.spec, name))
+                _cat_into(src, region(out, self.spec, name))
         if self.params():
             region(out, self.spec, "step").copy_(torch.stack(self._state("step")))
 

@@ -35,7 +35,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from reft_ext.protect.aor.replica import AORReplica, OwnerShard
+from reft_ext.protect.aor.replica import AORReplica, OwnerShard, host_buffer
 from reft_ext.protect.placement import place
 from reft_ext.report.events import emit
 from reft_ext.report.threads import join_or_warn
@@ -93,7 +93,7 @@ class AORTransport:
         self.alloc = alloc or _default_alloc
         self.replica: AORReplica | None = None
         self.warnings: list[str] = []
-        self._hook = None
+        self._hook = self._post_hook = None
         self._thread = None
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -157,10 +157,14 @@ class AORTransport:
         self.replica.valid, self.replica.reason, self.replica.applied = True, "", 0
         self.seq_sent = self.seq_recv = 0
         self.steps = int(self.owner.step_count())  # Adam steps taken (= the iteration)
-        self._send_buf = torch.empty(mine.message_nbytes, dtype=torch.uint8)
+        # pinned where the owner's grads come down from a device (an async D2H target)
+        self._send_buf = host_buffer(mine.message_nbytes, pinned=self.owner.on_device)
         self._recv_buf = torch.empty(peer.message_nbytes, dtype=torch.uint8)
         if self._hook is None and self.owner.opts:
             self._hook = self.owner.opts[0].register_step_pre_hook(self._on_step)
+            if self.owner.on_device:  # the copy overlaps the owner's Adam kernels
+                self._post_hook = self.owner.opts[0].register_step_post_hook(
+                    self._after_step)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="aor-replica",
                                             daemon=True)
@@ -173,6 +177,15 @@ class AORTransport:
         h = 8 * spec.header_len
         self.owner.capture(self._send_buf[:h].view(torch.float64),
                            self._send_buf[h:].view(torch.float32), self.seq_sent)
+        if not self.owner.on_device:  # CPU: the message is complete, send it now
+            self._send_step()
+
+    def _after_step(self, _opt, _args, _kwargs) -> None:
+        """Device owner (post hook): the posted D2H copy is done; send the message."""
+        self.owner.wait_capture()
+        self._send_step()
+
+    def _send_step(self) -> None:
         self._send_work = dist.isend(self._send_buf, dst=self.holder_rank,
                                      group=self.group, tag=TAG_STEP)
         self.seq_sent += 1
@@ -228,9 +241,12 @@ class AORTransport:
     def verify(self, iteration: int | None = None) -> dict:
         """Compare this holder's replica with its owner's live shard (collective over the
         group; call on every member after ``optimizer.step()`` of the same iteration). A
-        mismatch is logged loudly and invalidates the replica: recovery must not use it."""
+        mismatch (or a replica invalidated by a desync) is logged loudly and the replica
+        is re-synced: its owner sends its whole current shard, as at :meth:`initialize`
+        (the only way a replay that cannot be bit-identical, a GPU owner's, stays exact
+        at every verified iteration). Returns the check, before any re-sync."""
         self.wait()
-        mine = (self.owner.checksum(), self.replica.checksum())
+        mine = (self.owner.checksum(), self.replica.checksum(), self.replica.valid)
         gathered = [None] * self.D
         dist.all_gather_object(gathered, mine, group=self.group)
         expected = gathered[self.ranks.index(self.owner_rank)][0]
@@ -239,19 +255,50 @@ class AORTransport:
             self.replica.invalidate(f"checksum mismatch at iteration {iteration}")
             emit("aor_mismatch", f"rank {self.rank}: MISMATCH at iteration {iteration}: replica "
                  f"of rank {self.owner_rank} has checksum {mine[1]:016x}, the owner "
-                 f"{expected:016x}; recovery from this replica is disabled", prefix="[AOR]",
-                 iteration=iteration, owner=self.owner_rank)
+                 f"{expected:016x}{'' if self.owner.spec.bit_identical else ' (GPU owner)'}",
+                 prefix="[AOR]", iteration=iteration, owner=self.owner_rank)
+        valid_before = self.replica.valid
+        held = gathered[self.ranks.index(self.holder_rank)]
+        resync_held = not (match and mine[2])               # I receive my owner's shard
+        resync_mine = not (held[1] == mine[0] and held[2])  # my holder receives mine
+        if resync_held or resync_mine:
+            self._resync(resync_held, resync_mine, iteration)
         return {"iteration": iteration, "owner": self.owner_rank, "match": match,
-                "replica": mine[1], "expected": expected, "valid": self.replica.valid,
-                "step": self.replica.step_count()}
+                "replica": mine[1], "expected": expected, "valid": valid_before,
+                "resynced": resync_held, "step": self.replica.step_count()}
+
+    def _resync(self, receive: bool, send: bool, iteration) -> None:
+        """Point-to-point full-shard transfer(s) decided identically on both sides of
+        each pair (from the gathered checksums); the apply thread is idle (wait())."""
+        works = []
+        if receive:
+            works.append(dist.irecv(self.replica.buffer, src=self.owner_rank,
+                                    group=self.group, tag=TAG_INIT))
+        if send:
+            packed = host_buffer(self.owner.spec.nbytes)
+            self.owner.pack_state(packed)
+            works.append(dist.isend(packed, dst=self.holder_rank, group=self.group,
+                                    tag=TAG_INIT))
+        for w in works:
+            w.wait()
+        if receive:
+            self.replica.valid, self.replica.reason = True, ""
+            emit("aor_resynced", f"rank {self.rank}: replica of rank {self.owner_rank} "
+                 f"re-synced from its owner at iteration {iteration} "
+                 f"({self.replica.spec.nbytes} bytes)", prefix="[AOR]",
+                 iteration=iteration, owner=self.owner_rank)
 
     def pause(self) -> None:
         """Stop shipping steps (the replica goes stale: :meth:`initialize` again to resume).
         The overhead benchmark uses it to give other methods the same processes."""
         self.wait()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for h in (self._hook, self._post_hook):
+            if h is not None:
+                h.remove()
+        self._hook = self._post_hook = None
 
     def traffic_per_step(self) -> int:
         """Bytes this rank sends per optimizer step (one message to its holder)."""
@@ -261,9 +308,7 @@ class AORTransport:
         """A failed generation: the owner's step hook off and the replica thread told to
         stop, waiting for no peer (one may be dead; the aborted connections wake a
         receive in flight). True when the thread is gone."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._remove_hooks()
         self._send_work = None
         if self._thread is not None:
             self._q.put(None)
@@ -280,9 +325,7 @@ class AORTransport:
             self._thread.join()
             self._thread = None
         self._wait_send()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._remove_hooks()
 
 
 def connect(placement, torch_optimizers, alloc) -> tuple[AORTransport, object]:
