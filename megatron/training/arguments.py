@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 
 from reft_ext.plan.presets import (  # shared with the planner
     MODEL_PRESETS,
@@ -21,6 +20,13 @@ from reft_ext.testing.fault_specs import (GRAMMAR, PHASES, FaultSpecError, check
 
 class ArgumentError(ValueError):
     """An invalid flag value or combination; the message names the flag."""
+
+
+def _check_paths(args) -> None:
+    """The places a start reads and writes: megatron/training/path_checks.py."""
+    from megatron.training.path_checks import check_paths
+
+    check_paths(args, _fail)
 
 
 def _add_model_args(p):
@@ -179,7 +185,7 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None):
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     validate_args(args)
-    check_paths(args)
+    _check_paths(args)
     return args
 
 
@@ -284,9 +290,19 @@ def resolve_transformer_impl(requested, te_missing):
 def _validate_transformer_impl(args):
     """Resolved and checked here, so a missing TE is one argument error, not a TypeError
     or NameError while the model is built."""
-    from megatron.training.llama_model import transformer_engine_missing
+    import torch
 
-    missing = None if args.transformer_impl == "local" else transformer_engine_missing()
+    if args.transformer_impl == "local":
+        missing = None
+    elif not torch.cuda.is_available():  # (no model import: a CPU start stays one line)
+        missing = "no CUDA device here"
+    else:
+        import warnings
+
+        with warnings.catch_warnings():  # megatron-core's import notes: not an error
+            warnings.simplefilter("ignore")
+            from megatron.training.llama_model import transformer_engine_missing
+        missing = transformer_engine_missing()
     args.transformer_impl = resolve_transformer_impl(args.transformer_impl, missing)
     if args.transformer_impl != "transformer_engine":
         return
@@ -356,61 +372,6 @@ def _validate_reft(args):
     if rollback.rollback_on == "spike" and not cfg.enabled:
         _fail("--reft-rollback-on", "spike rolls back to a snapshot in host memory: it "
               "needs --reft-snapshot-every >= 1")
-
-
-def check_paths(args) -> None:
-    """The places a start reads and writes, checked on this machine before any work:
-    the data set exists, --save and the save-on-failure directory can be written.
-    Separate from :func:`validate_args`, which judges flags and layouts alone (a
-    script's dry run on a laptop, an elastic shrink's new layout)."""
-    from reft_ext.config import ReftConfig
-
-    if args.data_path is not None and not args.mock_data:
-        from megatron.training.data import data_path_error
-
-        why = data_path_error(args.data_path, args.tokenizer_type)
-        if why:
-            _fail("--data-path", why)
-    with warnings.catch_warnings():  # megatron-core's import notes: not this start's error
-        warnings.simplefilter("ignore")
-        from megatron.training.data import data_cache_path_error
-
-    why = data_cache_path_error(args.data_cache_path)  # megatron-core unpickles from it
-    if why:
-        _fail("--data-cache-path", why)
-    if args.save:
-        _check_writable_dir("--save", args.save, "point it at a directory this user can "
-                            "create and write (checkpoints are written there)")
-    cfg = ReftConfig.from_args(args)
-    if cfg.enabled and cfg.flush_dir:  # save-on-failure writes there when it is needed
-        _check_writable_dir("--reft-flush-dir", cfg.flush_dir, "point it at a directory "
-                            "this user can create and write (default <--save>/reft-flush), "
-                            "or give --reft-flush-dir none to turn save-on-failure off")
-
-
-def _check_writable_dir(flag: str, path: str, what: str) -> None:
-    """``path`` is a directory this process can create (or has) and write into. Probed
-    with a temporary entry, removed at once: a refused start leaves nothing behind, and
-    a directory that cannot be written fails now, not when a save is due."""
-    import tempfile
-
-    target = os.path.abspath(path)
-    base = target  # the nearest existing ancestor: where the directory would be made
-    while not os.path.lexists(base) and os.path.dirname(base) != base:
-        base = os.path.dirname(base)
-    if not os.path.isdir(base):
-        _fail(flag, f"{path} exists and is not a directory; {what}" if base == target
-              else f"cannot create {path}: {base} is not a directory; {what}")
-    try:
-        if base == target:
-            fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=target)
-            os.close(fd)
-            os.unlink(probe)
-        else:
-            os.rmdir(tempfile.mkdtemp(prefix=".create-check-", dir=base))
-    except OSError as exc:
-        verb = "write into" if base == target else "create"
-        _fail(flag, f"cannot {verb} {path} ({exc.strerror} in {base}); {what}")
 
 
 def _validate_virtual_pipeline(args):

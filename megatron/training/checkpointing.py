@@ -123,6 +123,9 @@ def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_opt
         if is_loading:
             optimizer_state.ensure_state(state.optimizer)  # upstream bug 1 (+ SGD momentum)
             optimizer_state.fill_missing_init_state_fn(state.optimizer)  # bug 4 (SGD)
+        # bf16/fp16 without the distributed optimizer: the fp32 RMSNorm weights' state
+        # ("Param id N does not match any model sharded param"), upstream bug 5
+        optimizer_state.fix_float16_sharded_state_dict(state.optimizer)
         sd["optimizer"] = state.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()

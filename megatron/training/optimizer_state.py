@@ -19,6 +19,23 @@ optimizers, and resuming it has three upstream bugs (docs/foundation.md), SGD a 
    object, so the fresh 0 wins. -> we save the step ourselves (:func:`optimizer_steps`)
    and give every param its own tensor again (:func:`set_optimizer_steps`).
 4. SGD has no ``init_state_fn``, which every load calls. -> :func:`fill_missing_init_state_fn`.
+
+With ``--bf16`` (or ``--fp16``) and the non-distributed optimizer, a fifth:
+
+5. ``Float16OptimizerWithFloat16Params.sharded_state_dict`` maps the torch optimizer's
+   state ids (numbered over ALL params of its groups) to the model's sharded tensors
+   through ``float16_groups`` only: it assumes Megatron-LM's ``Float16Module`` cast every
+   param to 16 bits. Our GPTModel is built with ``params_dtype`` instead, and the local
+   spec's RMSNorm (``WrappedTorchNorm`` -> ``torch.nn.RMSNorm``, created without a dtype)
+   keeps fp32 weights, which the optimizer steps as ``fp32_from_fp32_groups``. Their
+   state ids map to nothing, so every bf16 save (and load) failed with "Param id N does
+   not match any model sharded param" (and in a group mixing both kinds the ids would
+   silently map to the wrong tensors). Its main params, one list per group, are then a
+   list holding an empty list (the norms' group has no float16 params), and
+   dist_checkpointing's ``extract_matching_values`` drops the position of an empty list
+   inside a list: such a checkpoint saves but never loads ("Cannot merge two lists with
+   different lengths"). -> :func:`fix_float16_sharded_state_dict`: the ids mapped over
+   every param, the main params saved by group index, non-empty groups only.
 """
 
 from __future__ import annotations
@@ -202,6 +219,77 @@ def fill_missing_init_state_fn(optimizer) -> None:
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(opt, "init_state_fn") and opt.init_state_fn is None:
             opt.init_state_fn = _state_already_made
+
+
+def _float16_sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool = False,
+                                metadata=None):
+    """megatron-core's ``Float16OptimizerWithFloat16Params.sharded_state_dict`` (the same
+    tensor keys) with the state ids mapped over every param of the torch optimizer's
+    groups in torch's own numbering: a main (fp32) copy stands for its float16 model param,
+    an fp32 model param for itself (upstream bug 5). The main (fp32) copies are saved as
+    ``{group index: [...]}`` of the non-empty groups (an empty list inside a list cannot
+    be loaded back); :func:`_float16_load_state_dict` reads them into the groups."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state)
+
+    if is_loading:
+        opt.init_state_fn(opt.optimizer, opt.config)
+    state_dict = opt.state_dict()
+    model_param_of = {id(main): model
+                      for f16, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                      for model, main in zip(f16, mains)}
+    optim_params = [p for group in opt.optimizer.param_groups for p in group["params"]]
+    id_map = get_param_id_to_sharded_param_map(
+        model_sharded_state_dict, [model_param_of.get(id(p), p) for p in optim_params])
+    index = {}
+    for i, p in enumerate(optim_params):  # torch's numbering: the first place of a param
+        index.setdefault(id(p), i)
+    missing = [i for i in sorted(set(index.values())) if i not in id_map]
+    if missing:
+        raise ValueError(f"optimizer params {missing} match no model sharded param")
+    state_dict["fp32_from_fp16_params"] = {
+        g: [make_sharded_optimizer_tensor(id_map[index[id(main)]], main,
+                                          prefix="optimizer.state.fp32_param")
+            for main in group]
+        for g, group in enumerate(state_dict["fp32_from_fp16_params"]) if group}
+    step = opt._extract_common_per_param_step(state_dict["optimizer"])
+    optim_state_to_sharding_state(state_dict["optimizer"], id_map, exclude_keys="step")
+    if step:
+        state_dict["optimizer"]["state"]["common_step"] = step
+    return state_dict
+
+
+def _float16_load_state_dict(opt, state_dict) -> None:
+    """megatron-core's ``load_state_dict``, the main params also given as
+    :func:`_float16_sharded_state_dict` saves them (by group index)."""
+    saved = state_dict.get("fp32_from_fp16_params")
+    if isinstance(saved, dict):
+        groups = opt.fp32_from_float16_groups
+        if set(saved) - set(range(len(groups))) or any(
+                len(saved.get(g, [])) != len(group) for g, group in enumerate(groups)):
+            raise RuntimeError(
+                f"saved main params per group {({g: len(v) for g, v in saved.items()})}, "
+                f"the optimizer has {[len(group) for group in groups]}")
+        state_dict = {**state_dict,
+                      "fp32_from_fp16_params": [saved.get(g, []) for g in range(len(groups))]}
+    type(opt).load_state_dict(opt, state_dict)
+
+
+def fix_float16_sharded_state_dict(optimizer) -> None:
+    """Upstream bug 5: every ``Float16OptimizerWithFloat16Params`` inside ``optimizer``
+    builds its sharded state dict with :func:`_float16_sharded_state_dict` and loads with
+    :func:`_float16_load_state_dict` (instance attributes, so ChainedOptimizer's own
+    handling around them stays upstream's)."""
+    import types
+
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, Float16OptimizerWithFloat16Params) and \
+                getattr(opt, "optimizer", None) is not None:
+            opt.sharded_state_dict = types.MethodType(_float16_sharded_state_dict, opt)
+            opt.load_state_dict = types.MethodType(_float16_load_state_dict, opt)
 
 
 def check_captured(optimizer, captured) -> None:

@@ -69,9 +69,12 @@ def _assert_tracker_whole(save: str) -> int:
     return it
 
 
-# ---- the default tier: a pass and a save ----------------------------------------------
+# ---- a pass and a save (make test-all: make test's 12 minutes; the default tier kills in
+# random phases in test_chaos.py and falls back to an older checkpoint in
+# test_checkpoint_integrity.py) ---------------------------------------------------------
 @pytest.mark.parametrize("layout,protect", [
-    ("pp2dp2", "arc"), pytest.param(LAYOUT, "arc,aor", marks=pytest.mark.slow)])
+    pytest.param("pp2dp2", "arc", marks=pytest.mark.slow),
+    pytest.param(LAYOUT, "arc,aor", marks=pytest.mark.slow)])
 def test_kill_in_backward_then_between_checkpoint_and_tracker(layout, protect, tmp_path,
                                                               reference_runs):
     """Attempt 0: rank 2 (last stage) is killed as it starts its first backward pass of

@@ -72,13 +72,19 @@ def test_two_lost_nodes_of_a_group_fall_back_to_persistent(tmp_path, reference_r
     same_as_reference(run, ref, 4)
 
 
-def test_a_group_on_one_node_is_refused_before_training():
+def test_a_group_on_one_node_is_refused_before_training(monkeypatch):
     """PP2 x DP2 in megatron-core's default order on 2 nodes x 2: each data-parallel group
-    lives on one node, which no placement can protect: refused at argument parsing, with
-    the flag that fixes it."""
-    run = torchrun(4, TINY + N + LAYOUTS["pp2dp2"] + reft("arc", 2))
-    assert run.returncode != 0
-    assert ("--reft-protect arc: sharding group (ranks [0, 1], nodes [0, 0]) lives on one "
-            "failure domain: a node loss takes every copy (--reft-ranks-per-node 2). Spread "
-            "each data-parallel group over nodes: --use-tp-pp-dp-mapping") in run.output
-    assert "[REFT] snapshot iteration" not in run.output  # nothing trained
+    lives on one node, which no placement can protect: refused by the trainer's argument
+    parsing (before any process group), with the flag that fixes it; the same job with
+    --use-tp-pp-dp-mapping is accepted."""
+    from megatron.training.arguments import ArgumentError, parse_args
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = TINY + N + LAYOUTS["pp2dp2"] + reft("arc", None)
+    with pytest.raises(ArgumentError) as exc:
+        parse_args(args, world_size=4)
+    assert str(exc.value).startswith(
+        "--reft-protect arc: sharding group (ranks [0, 1], nodes [0, 0]) lives on one "
+        "failure domain: a node loss takes every copy (--reft-ranks-per-node 2). Spread "
+        "each data-parallel group over nodes: --use-tp-pp-dp-mapping"), str(exc.value)
+    parse_args(args + ["--use-tp-pp-dp-mapping"], world_size=4)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reft_ext.cluster import inprocess
-from reft_ext.cluster.inprocess import AbortPlan, plan_abort
+from reft_ext.cluster import comm_abort, inprocess
+from reft_ext.cluster.comm_abort import AbortPlan, plan_abort
 
 from megatron.training.reft_integration import host_dp_group, host_group_refusal
 
@@ -45,10 +45,10 @@ def test_abort_plan_gives_each_backend_its_own_abort():
 
 
 def test_bounded_reports_errors_and_hangs():
-    assert inprocess._bounded(lambda: None, 5, "noop") == ""
-    assert "boom" in inprocess._bounded(lambda: _raise("boom"), 5, "x")
+    assert comm_abort._bounded(lambda: None, 5, "noop") == ""
+    assert "boom" in comm_abort._bounded(lambda: _raise("boom"), 5, "x")
     t0 = time.monotonic()
-    assert "did not return within" in inprocess._bounded(lambda: time.sleep(3), 0.2, "hang")
+    assert "did not return within" in comm_abort._bounded(lambda: time.sleep(3), 0.2, "hang")
     assert time.monotonic() - t0 < 2
 
 
@@ -84,6 +84,6 @@ def test_host_dp_group_is_megatrons_gloo_group_or_one_made_here(gloo_world):
 
 
 def test_abort_in_a_gloo_world_shuts_sockets_only(gloo_world):
-    plan, closed, failure = inprocess.abort_communicators(set(), device=None)
+    plan, closed, failure = comm_abort.abort_communicators(set(), device=None)
     assert failure == "" and plan.nccl == () and plan.sockets
     assert closed == 0  # one process: no peer connection to shut

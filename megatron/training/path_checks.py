@@ -1,0 +1,63 @@
+"""The places a start reads and writes, checked on this machine before any work (the data
+set, its cache, --save, the save-on-failure directory). Apart from
+megatron/training/arguments.py's validate_args, which judges flags and layouts alone (a
+script's dry run on a laptop, an elastic shrink's new layout)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+
+def check_paths(args, _fail) -> None:
+    """The places a start reads and writes, checked on this machine before any work:
+    the data set exists, --save and the save-on-failure directory can be written.
+    ``_fail(flag, why)``: the trainer's flag error (arguments.py's, which raises)."""
+    from reft_ext.config import ReftConfig
+
+    if args.data_path is not None and not args.mock_data:
+        from megatron.training.data import data_path_error
+
+        why = data_path_error(args.data_path, args.tokenizer_type)
+        if why:
+            _fail("--data-path", why)
+    with warnings.catch_warnings():  # megatron-core's import notes: not this start's error
+        warnings.simplefilter("ignore")
+        from megatron.training.data import data_cache_path_error
+
+    why = data_cache_path_error(args.data_cache_path)  # megatron-core unpickles from it
+    if why:
+        _fail("--data-cache-path", why)
+    if args.save:
+        _check_writable_dir("--save", args.save, "point it at a directory this user can "
+                            "create and write (checkpoints are written there)", _fail)
+    cfg = ReftConfig.from_args(args)
+    if cfg.enabled and cfg.flush_dir:  # save-on-failure writes there when it is needed
+        _check_writable_dir("--reft-flush-dir", cfg.flush_dir, "point it at a directory "
+                            "this user can create and write (default <--save>/reft-flush), "
+                            "or give --reft-flush-dir none to turn save-on-failure off", _fail)
+
+
+def _check_writable_dir(flag: str, path: str, what: str, _fail) -> None:
+    """``path`` is a directory this process can create (or has) and write into. Probed
+    with a temporary entry, removed at once: a refused start leaves nothing behind, and
+    a directory that cannot be written fails now, not when a save is due."""
+    import tempfile
+
+    target = os.path.abspath(path)
+    base = target  # the nearest existing ancestor: where the directory would be made
+    while not os.path.lexists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        _fail(flag, f"{path} exists and is not a directory; {what}" if base == target
+              else f"cannot create {path}: {base} is not a directory; {what}")
+    try:
+        if base == target:
+            fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=target)
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".create-check-", dir=base))
+    except OSError as exc:
+        verb = "write into" if base == target else "create"
+        _fail(flag, f"cannot {verb} {path} ({exc.strerror} in {base}); {what}")
