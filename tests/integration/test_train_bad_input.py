@@ -220,19 +220,11 @@ def _other_tp(small_checkpoint, job):
 
 
 def test_refused_start_leaves_no_shared_memory(small_checkpoint, shm_job):
-    """A start refused by the placement check (at argument parsing, before REFT opens
-    its session) or after REFT opened it (a checkpoint of another TP) leaves no /dev/shm
-    entry of its job."""
-    from tests.harness.run import LAYOUTS, torchrun
+    """A start refused after REFT opened its session (a checkpoint of another TP) leaves
+    no /dev/shm entry of its job. (The placement check refuses at argument parsing, before
+    any session: tests/integration/test_placement_recovery.py.)"""
+    from tests.harness.run import torchrun
 
-    reft = ["--reft-snapshot-every", "1", "--reft-job-id", shm_job]
-    # TP pairs in one failure domain (4 ranks, one node): arc has no other domain
-    placement = torchrun(4, TINY + ["--train-iters", "3"] + LAYOUTS["tp2dp2"] + reft +
-                         ["--reft-protect", "arc"])
-    assert placement.returncode != 0
-    assert "error: --reft-protect arc: sharding group (ranks [0, 2], nodes [0, 0]) lives on " \
-        "one failure domain" in placement.output, placement.output[-3000:]
-    assert _job_shm(shm_job) == {}
     refused = torchrun(2, _other_tp(small_checkpoint, shm_job))
     assert refused.returncode != 0
     assert "saved with --tensor-model-parallel-size 1, this run has 2" in refused.output
