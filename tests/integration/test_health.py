@@ -251,6 +251,7 @@ def test_elastic_shrink_after_a_crash(zero1, tmp_path):
         L.cleanup_shm()
     run = parse(out, 0)
     run.events = events(L)
+    run.checkpoint = save  # its own --save holds the final checkpoint (the oracle's)
     assert "[FAULT] injecting SIGKILL into rank 0" in out
     assert "[FAULT] node 1 (rank 1) made to fail the matmul health check on attempt 1" in out
     # every rank of the job of 3 found node 1 bad, and each node's log says so
