@@ -46,7 +46,7 @@ class Received:
         self.rank, self.iteration = rank, iteration
         self.inventories = inventories
         self.problems: list[str] = []
-        self.checked = 0  # bytes checked (the log line)
+        self.checked = 0  # bytes checked against a checksum (what the checks cost)
 
     def expected(self, rank: int, region: Region | int) -> tuple[int, str] | None:
         """(checksum, algorithm) ``rank`` recorded for ``region`` of this iteration."""

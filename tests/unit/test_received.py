@@ -22,13 +22,8 @@ from reft_ext.testing.fault_specs import FaultSpecError
 ALGO = "xxh3_64/4M"
 
 
-@pytest.fixture(autouse=True)
-def no_observer(monkeypatch):
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    monkeypatch.delenv("REFT_NODE_GENERATION", raising=False)
-    set_fault_observer(None)
-    yield
-    set_fault_observer(None)
+# every test starts and ends without an observer, on attempt 0 (the same autouse fixture)
+from tests.unit.test_fault_specs import no_observer  # noqa: E402,F401
 
 
 def _payload(n=4096):
