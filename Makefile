@@ -14,7 +14,7 @@ RUN_DIR ?= runs/default
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: install run run-inprocess demo demo-nodes test test-all hip-check gpu-smoke chaos bench clean
+.PHONY: install run run-inprocess demo demo-nodes test test-all slurm hip-check gpu-smoke chaos bench clean
 
 $(STAMP): setup.py pyproject.toml constraints.txt csrc/setup_ext.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,11 +77,17 @@ demo-nodes: install
 
 # `make test` (CI, ~11 min on 2 cores) covers every capability end to end once;
 # `make test-all` adds the other layouts and schemes of the long recovery tests (~16 min).
-test: install
+test: install slurm
 	$(PY) -m pytest -q -m "not slow" tests
 
-test-all: install hip-check
+test-all: install slurm hip-check
 	$(PY) -m pytest -q tests
+
+# The real Slurm that tests/integration/test_slurm_real.py starts (munged, slurmctld and
+# four slurmd on this host: tools/local_slurm.py): Debian's slurm-wlm and munge, installed
+# when absent. Without root or a package source it says why and the tests skip.
+slurm:
+	@$(PYTHON) tools/local_slurm.py install || echo "slurm: SKIPPED (the real-Slurm tests will skip)"
 
 # The ROCm compile check (Frontier's MI250X, gfx90a) on any machine, no GPU needed: the
 # CUDA kernels hipified by torch's hipify and compiled by hipcc (docs/csrc.md). Without

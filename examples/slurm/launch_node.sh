@@ -54,6 +54,19 @@ fi
 : "${REPO:?}" "${RDZV_HOST:?}" "${RDZV_PORT:?}" "${NNODES_MIN:?}" "${NNODES_MAX:?}"
 : "${NPROC_PER_NODE:?}" "${MAX_RESTARTS:?}" "${LOG_DIR:?}"
 
+if [[ ${RESTART:-torchrun} == in-process ]]; then
+    # the in-process node agent: this node's warm workers (its ranks, plus SPARE_WORKERS
+    # for a crash on a training node; a spare node's stand by for a lost node's ranks)
+    workers=$NPROC_PER_NODE
+    (( node_id < NNODES_MAX )) && workers=$(( NPROC_PER_NODE + ${SPARE_WORKERS:-1} ))
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    cmd=("$python" -m reft_ext.cluster.node_agent --store "$RDZV_HOST:$RDZV_PORT"
+         --node "$node_id" --host "$node_name" --workers "$workers"
+         --world-size $(( NNODES_MAX * NPROC_PER_NODE )) --ranks-per-node "$NPROC_PER_NODE"
+         --job-id "$job" -- "$REPO/pretrain_llama.py" "$@")
+    what="node agent"
+    launcher="in-process node agent: $workers warm worker(s), $NPROC_PER_NODE ranks per node"
+else
 # is_host=false: every agent is a client of the store that reft_job.sh runs on the batch
 # host (an agent must never host it, or its death would end the rendezvous).
 rdzv_conf="is_host=false${RDZV_CONF:+,$RDZV_CONF}"
@@ -67,10 +80,15 @@ cmd=("$python" -m torch.distributed.run
      --max-restarts="$MAX_RESTARTS"
      --local-addr="$node_name"  # resolvable like RDZV_HOST; rank 0's is its workers' MASTER_ADDR
      "$REPO/pretrain_llama.py" "$@")
+what=torchrun
+launcher="torchrun agent: nnodes $NNODES_MIN:$NNODES_MAX, $NPROC_PER_NODE ranks, rendezvous"
+launcher+=" $RDZV_HOST:$RDZV_PORT, restarts $MAX_RESTARTS"
+fi
 
 if [[ ${DRY_RUN:-0} == 1 ]]; then
     n_launcher=$(( ${#cmd[@]} - $# ))  # python -m torch.distributed.run ... script
-    printf '[launch] dry run: torchrun:'; printf ' %q' "${cmd[@]:0:n_launcher}"; echo
+    printf '[launch] dry run: %s:' "${what// /_}"
+    printf ' %q' "${cmd[@]:0:n_launcher}"; echo
     printf '[launch] dry run: trainer:'; printf ' %q' "$@"; echo
     exit 0
 fi
@@ -84,9 +102,7 @@ for d in "${MIOPEN_USER_DB_PATH:-}" "${MIOPEN_CUSTOM_CACHE_DIR:-}"; do
     [[ -n $d ]] && mkdir -p "$d"
 done
 
-say "torchrun agent: nnodes $NNODES_MIN:$NNODES_MAX, $NPROC_PER_NODE ranks, rendezvous" \
-    "$RDZV_HOST:$RDZV_PORT, restarts $MAX_RESTARTS, generation ${REFT_NODE_GENERATION:-0};" \
-    "log $node_log"
+say "$launcher; log $node_log"
 # Everything the agent and its workers print goes to this node's log and to srun (the
 # job's .out, labelled by task). tee ignores SIGTERM: at a time limit it must keep
 # carrying torchrun's shutdown and REFT's flush lines instead of breaking the pipe.
@@ -109,5 +125,5 @@ while kill -0 "$agent" 2>/dev/null; do  # wait returns early when the trap ran
 done
 trap - TERM
 wait_for_watchers
-say "torchrun exited with status $rc"
+say "$what exited with status $rc"
 exit "$rc"

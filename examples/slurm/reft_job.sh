@@ -10,9 +10,20 @@
 # The node-level half is launch_node.sh. Knobs, all optional (environment or set in the
 # sbatch script before reft_job_setup):
 #
+#   RESTART        how a failure is survived (default in-process; torchrun for an
+#                  elastic job, MIN_NODES < nodes):
+#                    in-process  the survivors keep their processes; a dead rank is
+#                                replaced by a warm worker of its node, a lost node's
+#                                ranks by a spare node's warm workers (one coordinator
+#                                in this batch step, one node agent per node:
+#                                reft_ext/cluster/coordinator.py, node_agent.py)
+#                    torchrun    torchrun's process restart: every rank restarts
 #   SPARE_NODES    hot spares among the allocated nodes (default 0): they start agents
-#                  that wait in torchrun's rendezvous until a node is lost
-#   MIN_NODES      elastic minimum, torchrun --nnodes MIN:MAX (default MAX: fixed size)
+#                  (torchrun: waiting in its rendezvous; in-process: warm workers)
+#                  that take the ranks of a lost node
+#   SPARE_WORKERS  in-process: warm workers per training node for a crashed rank (1)
+#   MIN_NODES      elastic minimum, torchrun --nnodes MIN:MAX (default MAX: fixed size;
+#                  RESTART=torchrun only: in-process keeps the job's size)
 #   NPROC_PER_NODE ranks per node = devices per node (default 8); one failure domain
 #   MAX_RESTARTS   torchrun --max-restarts (default 3)
 #   RDZV_HOST      rendezvous host (default: the first node of the allocation, where
@@ -61,6 +72,17 @@ reft_job_setup() {
     RDZV_PORT=${RDZV_PORT:-$(( 29400 + SLURM_JOB_ID % 1000 ))}
     NPROC_PER_NODE=${NPROC_PER_NODE:-8}
     MAX_RESTARTS=${MAX_RESTARTS:-3}
+    # in-process where it applies (a job of fixed size), else torchrun's restart
+    RESTART=${RESTART:-$( (( NNODES_MIN == NNODES_MAX )) && echo in-process || echo torchrun)}
+    SPARE_WORKERS=${SPARE_WORKERS:-1}
+    case $RESTART in
+        in-process)
+            (( NNODES_MIN == NNODES_MAX )) || _reft_die "MIN_NODES=$NNODES_MIN: an elastic" \
+                "job needs RESTART=torchrun (the in-process restart keeps the job's size;" \
+                "SPARE_NODES replace lost nodes)" ;;
+        torchrun) ;;
+        *) _reft_die "RESTART=$RESTART: choose in-process or torchrun" ;;
+    esac
     LOG_DIR=${LOG_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/logs/${SLURM_JOB_NAME:-job}-$SLURM_JOB_ID}
 
     # Each round's rank-0 agent publishes a fresh store for its workers. torch's default
@@ -71,10 +93,11 @@ reft_job_setup() {
     # node's last words are what an operator reads first
     export PYTHONUNBUFFERED=1
     export REPO PYTHON ALLOC_NODES SPARE_NODES NNODES_MIN NNODES_MAX REFT_MIN_NODES \
-        RDZV_HOST RDZV_PORT NPROC_PER_NODE MAX_RESTARTS LOG_DIR
+        RDZV_HOST RDZV_PORT NPROC_PER_NODE MAX_RESTARTS LOG_DIR RESTART SPARE_WORKERS
     echo "[reft_job] job $SLURM_JOB_ID (${SLURM_JOB_NAME:-?}): $ALLOC_NODES node(s) allocated," \
         "training on $NNODES_MIN:$NNODES_MAX x $NPROC_PER_NODE ranks, $SPARE_NODES hot spare(s);" \
-        "rendezvous $RDZV_HOST:$RDZV_PORT; max restarts $MAX_RESTARTS; logs in $LOG_DIR"
+        "rendezvous $RDZV_HOST:$RDZV_PORT; restart $RESTART; max restarts $MAX_RESTARTS;" \
+        "logs in $LOG_DIR"
 }
 
 # The rendezvous store lives in the batch script, not inside the first node's agent
@@ -92,6 +115,28 @@ _reft_start_store() {
         kill -0 "$REFT_STORE_PID" 2>/dev/null ||
             _reft_die "the rendezvous store did not start: $(tail -n 5 "$LOG_DIR/rdzv-store.log")"
         (( waited++ < 1200 )) || _reft_die "the rendezvous store is not ready after 120 s"
+        sleep 0.1
+    done
+    rm -f "$ready"
+}
+
+# RESTART=in-process: the coordinator (the in-process supervisor of every node) hosts
+# the job's store instead, here for the same reason; its exit status is the job's.
+_reft_start_coordinator() {
+    local ready=$LOG_DIR/coordinator.$SLURM_JOB_ID.ready
+    rm -f "$ready"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m reft_ext.cluster.coordinator \
+        --host "$RDZV_HOST" --port "$RDZV_PORT" --nodes "$NNODES_MAX" \
+        --alloc-nodes "$ALLOC_NODES" --ranks-per-node "$NPROC_PER_NODE" \
+        --spares-per-node "$SPARE_WORKERS" --max-restarts "$MAX_RESTARTS" \
+        --job-id "$SLURM_JOB_ID" --log-dir "$LOG_DIR" --ready-file "$ready" \
+        -- "$REPO/pretrain_llama.py" "$@" > >(trap '' TERM; exec tee -a "$LOG_DIR/coordinator.log") 2>&1 &
+    REFT_STORE_PID=$!
+    local waited=0
+    until [[ -f $ready ]]; do
+        kill -0 "$REFT_STORE_PID" 2>/dev/null ||
+            _reft_die "the coordinator did not start: $(tail -n 5 "$LOG_DIR/coordinator.log")"
+        (( waited++ < 1200 )) || _reft_die "the coordinator is not listening after 120 s"
         sleep 0.1
     done
     rm -f "$ready"
@@ -133,9 +178,22 @@ reft_job_run() {
         return 0
     fi
     mkdir -p "$LOG_DIR"
-    _reft_start_store
-    local rc=0
-    "${srun_cmd[@]}" bash "$launch" "$@" || rc=$?
+    local rc=0 crc=0
+    if [[ $RESTART == in-process ]]; then
+        # the job's secret: every value that steers the job in its store is signed with
+        # it; srun hands it to the node agents in their environment, never through a file
+        REFT_INPROCESS_SECRET=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+        export REFT_INPROCESS_SECRET
+        _reft_start_coordinator "$@"
+        "${srun_cmd[@]}" bash "$launch" "$@" || rc=$?
+        # srun reports the worst task (a lost node's); the coordinator knows the job's fate
+        wait "$REFT_STORE_PID" || crc=$?
+        echo "[reft_job] srun exited with $rc, the coordinator with $crc"
+        rc=$crc
+    else
+        _reft_start_store
+        "${srun_cmd[@]}" bash "$launch" "$@" || rc=$?
+    fi
     # The nodes' /dev/shm is RAM: snapshots left behind by a failed job would stay on the
     # node after the job. launch_node.sh waited for the REFT watchers (save-on-failure
     # copies are in --reft-flush-dir), so what is left has no further use.
@@ -143,7 +201,7 @@ reft_job_run() {
         srun --nodes="$ALLOC_NODES" --ntasks="$ALLOC_NODES" --ntasks-per-node=1 \
             --kill-on-bad-exit=0 --label bash "$launch" --cleanup || true
     fi
-    _reft_stop_store
+    [[ $RESTART == in-process ]] || _reft_stop_store
 
     # The verdict. srun reports the worst task: a node lost on the way (and replaced by
     # a spare) makes it non-zero although training completed. The persistent checkpoint

@@ -5,7 +5,7 @@ A job started by the in-process supervisor (reft_ext/cluster/supervisor.py, run 
 process groups rendezvous under the store prefix ``reft/ip/g<g>/``; when any rank of g
 dies, hangs or sees a collective fail, ``abort/<g>`` is set in the supervisor's store and
 
-1. every rank's :class:`AbortWatcher` thread notices within ``POLL_S`` and *aborts its
+1. every rank's :class:`AbortWatcher` thread (woken through its mailbox) *aborts its
    communicators*, each backend by its own means (:func:`plan_abort`): NCCL groups by
    their own ``ProcessGroupNCCL.abort()`` (``ncclCommAbort``: it ends the kernels in
    flight and closes NCCL's sockets itself), then the CUDA streams are drained
@@ -240,6 +240,7 @@ class Generation:
         """This rank saw generation g fail: every rank aborts (first reason wins)."""
         set_first(self.store, self.secret, key("abort", self.gen),
                   f"rank {self.rank}: {reason}", self.gen)
+        notify(self.store)
 
     def is_failure(self, exc: BaseException) -> bool:
         """Is ``exc`` what a peer's failure (or our abort) looks like from here, rather
@@ -272,20 +273,30 @@ class Generation:
         """Report this rank ready (its groups torn down) and wait until the supervisor
         publishes a newer generation; returns it."""
         if self._watcher is not None:
-            self._watcher.stop()
+            self._watcher.stop(self.store)
             self._watcher = None
         old = self.gen
         self.request_abort("restart")  # in case this rank was the first to notice
         k = key("ready", old, self.rank)
         self.store.set(k, sign(self.secret, k, str(os.getpid()), old))
+        notify(self.store)
         deadline = time.monotonic() + timeout_s
+        waited = False
         while time.monotonic() < deadline:
             g = self.published()
             if g is not None and g > old:
                 self.gen = g
                 os.environ[ENV_GENERATION] = str(g)  # fault injection's attempt
                 return g
-            time.sleep(POLL_S)
+            if waited:  # gen/<g+1> is there but not validly signed: look again later
+                time.sleep(POLL_S)
+                continue
+            try:  # blocks until the supervisor publishes g + 1 (no polling meanwhile)
+                self.store.wait([key("gen", old + 1)], datetime.timedelta(
+                    seconds=max(0.001, deadline - time.monotonic())))
+            except torch.distributed.DistStoreError:
+                break  # the timeout
+            waited = True
         raise RestartError(f"no generation after {old} within {timeout_s:.0f} s "
                            f"(the supervisor is gone?)")
 
@@ -304,7 +315,7 @@ class Generation:
         """Training is over: the abort watcher stops (a thread still inside a store call
         when the interpreter exits aborts the process)."""
         if self._watcher is not None:
-            self._watcher.stop()
+            self._watcher.stop(self.store)
             self._watcher = None
 
     def reason(self) -> str:
@@ -316,8 +327,11 @@ class Generation:
 
 
 class AbortWatcher(threading.Thread):
-    """Polls ``abort/<g>`` and aborts the rank's communicators when it appears (its own
-    store connection: the trainer's thread may be blocked in a collective)."""
+    """Waits for ``abort/<g>`` and aborts the rank's communicators when it appears (its
+    own store connection: the trainer's thread may be blocked in a collective). It
+    blocks on its mailbox ``wake/<g>/<rank>`` (the supervisor fills every rank's at an
+    abort: :func:`wake_ranks`; the rank fills its own to stop the watcher) instead of
+    polling; after a wake that was neither (a value anyone could set) it polls."""
 
     def __init__(self, gen: Generation):
         super().__init__(name=f"reft-abort-watcher-g{gen.gen}", daemon=True)
@@ -325,24 +339,57 @@ class AbortWatcher(threading.Thread):
         self._halt = threading.Event()
         self.store = _connect(timeout_s=60)
 
-    def stop(self) -> None:
+    def stop(self, store=None) -> None:
         self._halt.set()
+        if store is not None:
+            try:  # wake the blocked wait
+                store.set(key("wake", self.gen_no, self.g.rank), "stop")
+            except Exception:  # noqa: BLE001 - a store that is gone woke it already
+                pass
         join_or_warn(self, 5, "the in-process restart's abort watcher", generation=self.gen_no)
+
+    def _abort_if_set(self, k: str) -> bool:
+        if self.store.check([k]):
+            reason = read_signed(self.store, self.g.secret, k, self.gen_no)
+            if reason:
+                self.g.abort_now(reason)
+                if self.g.abort_failure:
+                    self.g.fall_back(self.g.abort_failure)
+                return True
+        return False
 
     def run(self) -> None:
         k = key("abort", self.gen_no)
+        mailbox = key("wake", self.gen_no, self.g.rank)
+        blocking = True
         while not self._halt.is_set():
             try:
-                if self.store.check([k]):
-                    reason = read_signed(self.store, self.g.secret, k, self.gen_no)
-                    if reason:
-                        self.g.abort_now(reason)
-                        if self.g.abort_failure:
-                            self.g.fall_back(self.g.abort_failure)
-                        return
+                if self._abort_if_set(k):
+                    return
+                if blocking:
+                    self.store.wait([mailbox], datetime.timedelta(days=7))
+                    blocking = False  # woken: the mailbox stays set, poll from now on
+                    continue
             except Exception as exc:  # noqa: BLE001 - the supervisor's store is gone
+                if self._halt.is_set():
+                    return
                 self.g.abort_now(f"supervisor store unreachable: {exc}")
                 if self.g.abort_failure:
                     self.g.fall_back(self.g.abort_failure)
                 return
             self._halt.wait(POLL_S)
+
+
+def notify(store, what: str = "") -> None:
+    """Wake the supervisor, which blocks on the next ``ev/<n>`` (after setting anything
+    it must act on: an abort request, a ready marker, a worker's exit: ``exit <wid>``).
+    The value only says where to look (a forged one costs a lookup of a signed key)."""
+    n = store.add(key("evseq"), 1)
+    store.set(key("ev", n), what)
+
+
+def wake_ranks(store, gen: int, ranks) -> None:
+    """Fill every rank's abort-watcher mailbox of generation ``gen`` (one request)."""
+    ks = [key("wake", gen, r) for r in ranks]
+    if ks:
+        store.multi_set(ks, ["abort"] * len(ks))

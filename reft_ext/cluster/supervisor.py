@@ -34,14 +34,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from reft_ext.cluster.inprocess import (ENV_SECRET, key, new_secret, read_signed,
-                                        set_first, sign)
+from reft_ext.cluster.inprocess import (key, new_secret, read_signed, set_first, sign,
+                                        wake_ranks)
+from reft_ext.cluster.pool import LocalPool, Pool, Worker
 from reft_ext.report.threads import join_or_warn
 
 # what a warm spare imports while it waits (a cold worker imports the same on its own)
@@ -97,58 +96,39 @@ def listen(host: str = "127.0.0.1", port: int = 0, **kwargs):
     return store
 
 
-class _Worker:
-    def __init__(self, wid: int, proc: subprocess.Popen, log: str, started: float):
-        self.wid, self.proc, self.log, self.started = wid, proc, log, started
-        self.rank: int | None = None
-
-
 class Supervisor:
     """start(), kill_rank(r), wait(), close(); ``logs[rank]`` and ``history``."""
 
-    def __init__(self, cfg: SupervisorConfig):
+    def __init__(self, cfg: SupervisorConfig, pool: Pool | None = None,
+                 secret_hex: str | None = None):
         self.cfg = cfg
+        self.pool = pool or LocalPool(cfg)
         self.store = None
         self.port = 0
         self.gen = 0
-        self.ranks: dict[int, _Worker] = {}   # rank -> its current worker
-        self.spares: list[_Worker] = []
+        self.ranks: dict[int, Worker] = {}   # rank -> its current worker
         self.logs: dict[int, list[str]] = {r: [] for r in range(cfg.world_size)}
         self.history: list[dict] = []
         self.returncode: int | None = None
         self.failure = ""
-        self._next_wid = 0
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._secret_hex = new_secret()  # the job's HMAC key: environment only, never stored
+        # the job's HMAC key: environment only, never stored (a multi-node job's comes
+        # from its batch script, which hands it to every node agent)
+        self._secret_hex = secret_hex or new_secret()
         self.secret = bytes.fromhex(self._secret_hex)
         os.makedirs(cfg.log_dir, exist_ok=True)
 
     # ---- workers ----------------------------------------------------------------
-    def _spawn(self) -> _Worker:
-        wid, self._next_wid = self._next_wid, self._next_wid + 1
-        log = os.path.join(self.cfg.log_dir, f"worker{wid}.log")
-        cmd = [sys.executable, "-m", "reft_ext.cluster.spare", "--store",
-               f"127.0.0.1:{self.port}", "--id", str(wid), "--preload", self.cfg.preload,
-               "--world-size", str(self.cfg.world_size),
-               "--ranks-per-node", str(self.cfg.ranks_per_node), "--job-id", self.cfg.job_id,
-               "--", self.cfg.script, *self.cfg.script_args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.cfg.env)
-        env.pop("TORCHELASTIC_RESTART_COUNT", None)
-        env[ENV_SECRET] = self._secret_hex
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    cwd=self.cfg.cwd or None, start_new_session=True)
-        return _Worker(wid, proc, log, time.time())
-
-    def _assign(self, w: _Worker, rank: int) -> None:
+    def _assign(self, w: Worker, rank: int) -> None:
         """Give worker ``w`` a rank of the current generation: a signed (rank,
         generation), from which the worker makes the rank's environment itself
         (reft_ext/cluster/spare.py rank_env)."""
         w.rank = rank
         self.ranks[rank] = w
-        self.logs[rank].append(w.log)
+        if w.log:
+            self.logs[rank].append(w.log)
         k = key("assign", w.wid)
         self.store.set(k, sign(self.secret, k, json.dumps({"rank": rank, "gen": self.gen}),
                                self.gen))
@@ -158,33 +138,30 @@ class Supervisor:
         return read_signed(self.store, self.secret, k, gen) is not None
 
     def _publish(self) -> None:
-        k = key("gen")
-        self.store.set(k, sign(self.secret, k, str(self.gen), self.gen))
-
-    def _take_worker(self) -> _Worker:
-        """A warm spare if one is left, else a new one. The pool is refilled once the
-        new generation is training again (:meth:`_refill`), not now: a spare's imports
-        would take cores from the recovery it is meant to shorten."""
-        return self.spares.pop(0) if self.spares else self._spawn()
+        """``gen`` (what a rank reads) and ``gen/<g>`` (what a waiting rank blocks on)."""
+        for k in (key("gen"), key("gen", self.gen)):
+            self.store.set(k, sign(self.secret, k, str(self.gen), self.gen))
 
     def _refill(self) -> None:
-        """Top the spare pool up when every rank of the current generation has finished
-        an iteration in it (``trained/<g>/<rank>``)."""
-        if len(self.spares) >= self.cfg.spares or not all(
-                self._signed(key("trained", self.gen, r), self.gen) for r in self.ranks):
-            return
-        while len(self.spares) < self.cfg.spares:
-            self.spares.append(self._spawn())
+        """Top the warm workers up when every rank of the current generation has
+        finished an iteration in it (``trained/<g>/<rank>``): on a shared host a spare's
+        imports would otherwise take cores from the very recovery it shortens."""
+        if all(self._signed(key("trained", self.gen, r), self.gen) for r in self.ranks):
+            self.pool.refill()
 
     # ---- life cycle -------------------------------------------------------------
-    def start(self) -> "Supervisor":
-        self.store = listen("127.0.0.1", 0, multi_tenant=True, wait_for_workers=False)
+    def start(self, host: str = "127.0.0.1", port: int = 0,
+              on_listen=None) -> "Supervisor":
+        self.store = listen(host, port, multi_tenant=True, wait_for_workers=False)
         self.port = self.store.port
+        if on_listen is not None:
+            on_listen()
+        self.pool.start(self.store, host, self.port, self._secret_hex, self.cfg.world_size)
         self._publish()
         for r in range(self.cfg.world_size):
-            self._assign(self._spawn(), r)
-        while len(self.spares) < self.cfg.spares:
-            self.spares.append(self._spawn())
+            self._assign(self.pool.take(r), r)
+        if isinstance(self.pool, LocalPool):
+            self.pool.start_spares()
         self._thread = threading.Thread(target=self._run, name="reft-supervisor",
                                         daemon=True)
         self._thread.start()
@@ -197,7 +174,7 @@ class Supervisor:
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    codes = {r: w.proc.poll() for r, w in self.ranks.items()}
+                    codes = {r: w.poll() for r, w in self.ranks.items()}
                     dead = sorted(r for r, c in codes.items() if c not in (None, 0))
                     if all(c is not None for c in codes.values()) and \
                             (not dead or 0 in codes.values()):
@@ -207,77 +184,82 @@ class Supervisor:
                         if dead:
                             self.failure = f"rank(s) {dead} failed after training ended"
                         return
-                    if 0 in codes.values():
-                        time.sleep(0.02)  # finishing: the others are saving, exiting
-                        continue
-                    asked = self._signed(key("abort", self.gen), self.gen)
-                    if dead or asked:
-                        if not self._new_generation(dead):
-                            return
-                        continue
-                    self._refill()
-                time.sleep(0.02)
+                    if 0 not in codes.values():  # not finishing (the others saving)
+                        asked = self._signed(key("abort", self.gen), self.gen)
+                        if dead or asked:
+                            if not self._new_generation(dead):
+                                return
+                            continue
+                        self._refill()
+                self.pool.update(0.02)
         except Exception as exc:  # noqa: BLE001 - reported, the job is stopped
             self.failure = f"supervisor: {type(exc).__name__}: {exc}"
             self.returncode = 1
-            self._kill_all()
+            self.pool.close()
 
     def _new_generation(self, dead: list[int]) -> bool:
         """End generation g: abort, wait for survivors or deaths, replace, publish g+1."""
         g, t_detect = self.gen, time.time()
         reason = f"rank(s) {dead} exited" if dead else "a rank asked"
         set_first(self.store, self.secret, key("abort", g), f"supervisor: {reason}", g)
+        wake_ranks(self.store, g, self.ranks)
         deadline = time.time() + self.cfg.abort_timeout
         waiting = set(self.ranks)
         while True:
             for r in sorted(waiting):
                 w = self.ranks[r]
-                if w.proc.poll() is not None:
-                    waiting.discard(r)
-                elif self._signed(key("ready", g, r), g):
+                if w.poll() is not None or self._signed(key("ready", g, r), g):
                     waiting.discard(r)
             if not waiting:
                 break
             if time.time() > deadline:  # frozen: the same as dead
                 for r in waiting:
-                    _killpg(self.ranks[r].proc.pid, signal.SIGKILL)
-                    self.ranks[r].proc.wait()
+                    self.ranks[r].kill(signal.SIGKILL)
+                for r in waiting:
+                    if not self.ranks[r].wait_dead(self.cfg.abort_timeout):
+                        raise RuntimeError(f"rank {r} (worker {self.ranks[r].wid}) did not "
+                                           f"end after SIGKILL")
                 break
-            time.sleep(0.02)
+            self.pool.update(0.02)
         t_ready = time.time()
-        dead = sorted(r for r, w in self.ranks.items() if w.proc.poll() is not None)
+        dead = sorted(r for r, w in self.ranks.items() if w.poll() is not None)
         if len(self.history) >= self.cfg.max_restarts:
             self.failure = (f"generation {g} failed ({reason}) and --max-restarts "
                             f"{self.cfg.max_restarts} are used up")
             self.returncode = 1
-            self._kill_all()
+            self.pool.close()
             return False
         self.gen = g + 1
-        warm = []
+        warm, where = [], []
         for r in dead:
-            w = self._take_worker()
-            warm.append(self.store.check([key("warm", w.wid)]))
+            w = self.pool.take(r)
+            warm.append(self.pool.warm(w))
+            where.append(w.wid)
             self._assign(w, r)
         self._publish()
         self.history.append(dict(generation=self.gen, reason=reason, dead=dead,
-                                 warm=warm, t_detect=t_detect, t_ready=t_ready,
-                                 t_published=time.time()))
+                                 warm=warm, workers=where, t_detect=t_detect,
+                                 t_ready=t_ready, t_published=time.time()))
+        say = getattr(self.pool, "say", None)
+        if say is not None:
+            say(f"generation {self.gen}: rank(s) {dead} replaced by worker(s) {where} "
+                f"({sum(warm)} warm; {reason}); {self.pool.describe()}")
         return True
 
     # ---- faults from outside (tests, benchmarks) -----------------------------------
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
         with self._lock:
-            _killpg(self.ranks[rank].proc.pid, sig)
+            self.ranks[rank].kill(sig)
 
     def max_restarts_reached(self) -> None:
         """No new generation from now on (preemption: the job is being stopped)."""
         self.cfg.max_restarts = len(self.history)
 
     def pids(self) -> dict[int, int]:
-        return {r: w.proc.pid for r, w in self.ranks.items()}
+        return {r: w.pid for r, w in self.ranks.items()}
 
     # ---- the end ----------------------------------------------------------------
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float | None) -> int:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -285,22 +267,9 @@ class Supervisor:
                 raise TimeoutError(f"the job is still running after {timeout} s")
         return self.returncode if self.returncode is not None else 1
 
-    def _kill_all(self) -> None:
-        for w in list(self.ranks.values()) + self.spares:
-            if w.proc.poll() is None:
-                _killpg(w.proc.pid, signal.SIGKILL)
-                w.proc.wait()
-
     def close(self) -> None:
         """Nothing started here outlives the supervisor (ranks, spares)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             join_or_warn(self._thread, 5, "the in-process supervisor's monitor")
-        self._kill_all()
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
+        self.pool.close()

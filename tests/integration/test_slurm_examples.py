@@ -47,6 +47,9 @@ TINY_OVERRIDES = {
     "LOG_ARGS": "--log-interval 1 --eval-interval 1000 --eval-iters 0",
     "NPROC_PER_NODE": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
     "SPARE_NODES": "0", "MIN_NODES": "2",
+    # the stand-in srun starts one process per task: torchrun's path (the in-process
+    # restart runs on the real Slurm: tests/integration/test_slurm_real.py)
+    "RESTART": "torchrun",
     # a dead agent leaves the rendezvous after 3 s instead of torch's 15 s
     "RDZV_CONF": "keep_alive_interval=1,keep_alive_max_attempt=3",
 }
@@ -138,6 +141,7 @@ def test_scripts_parse(path):
 
 
 def _dry_run(script, tmp_path, **env) -> tuple[list[str], list[str], str]:
+    env.setdefault("RESTART", "torchrun")
     job = sbatch(script, tmp_path, DRY_RUN="1", DATA_PATH="/shared/data/text_document",
                  CKPT_DIR="/shared/ckpt/run", **env)
     assert job.rc == 0, job.output
@@ -202,21 +206,26 @@ def _assert_clean_run(job: Job, nodes: int):
     assert not glob.glob(f"/dev/shm/reft-{job.job_id}-*")
 
 
-@pytest.mark.slow  # the default tier runs the 7B and Frontier scripts (tiny model) end to end
-def test_tiny_cpu_default_job(tmp_path):
-    """The default job, unmodified: 2 nodes, ARC, health check, checkpoints, 8 iterations."""
-    job = sbatch(TINY_CPU, tmp_path)
-    _assert_clean_run(job, 2)
-    out = job.output
-    assert "training on 2:2 x 1 ranks, 0 hot spare(s)" in out
-    assert "[REFT] health: 2 node(s) passed" in out
-    assert re.search(r"iteration\s+8/\s+8", out)
-    snaps = re.findall(r"\[REFT\] snapshot iteration (\d+): \d+ bytes on 2 ranks "
-                       r"\(per rank: own \d+, arc \d+", out)
-    assert [int(i) for i in snaps] == list(range(1, 9)), snaps
-    ckpt = glob.glob(str(tmp_path / "submit" / "runs" / f"reft-tiny-cpu-{job.job_id}"))[0]
-    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "8"
-    assert "(last persistent checkpoint: 8)" in out
+@pytest.mark.parametrize("script,nodes,spares,restart", [
+    (FRONTIER, 66, 2, "in-process"), (TINY_CPU, 2, 0, "in-process"),
+    (NVIDIA, 18, 2, "torchrun")], ids=["frontier-34b", "tiny-cpu", "nvidia-7b"])
+def test_dry_run_restart_mode(script, nodes, spares, restart, tmp_path):
+    """RESTART's default: in-process for a job of fixed size, torchrun for an elastic one
+    (the 7B script's 15:16 nodes); in-process runs the node agent with the job's shape."""
+    job = sbatch(script, tmp_path, DRY_RUN="1", DATA_PATH="/shared/data/text_document",
+                 CKPT_DIR="/shared/ckpt/run")
+    assert job.rc == 0, job.output
+    assert f"restart {restart};" in job.output
+    if restart == "in-process":
+        agent = shlex.split(re.search(r"\[launch\] dry run: node_agent:(.*)",
+                                      job.output).group(1))
+        world = int(agent[agent.index("--world-size") + 1])
+        per_node = int(agent[agent.index("--ranks-per-node") + 1])
+        assert world == (nodes - spares) * per_node and agent[2] == "reft_ext.cluster.node_agent"
+        assert int(agent[agent.index("--workers") + 1]) == per_node + 1  # one warm spare
+    r = sbatch(script, tmp_path / "elastic", DRY_RUN="1", RESTART="in-process",
+               MIN_NODES="1", DATA_PATH="/d", CKPT_DIR="/c")
+    assert r.rc == 2 and "an elastic job needs RESTART=torchrun" in r.output, r.output
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +238,7 @@ def nvidia_tiny(tmp_path_factory) -> Job:
     return job
 
 
+@pytest.mark.slow  # torchrun's mode on the real Slurm is in the default tier (test_slurm_real)
 def test_nvidia_script_tiny_run(nvidia_tiny):
     _assert_clean_run(nvidia_tiny, 2)
     run = nvidia_tiny.run()
@@ -237,6 +247,7 @@ def test_nvidia_script_tiny_run(nvidia_tiny):
     assert "[REFT] snapshot iteration 6" in nvidia_tiny.output
 
 
+@pytest.mark.slow  # the real Slurm's node-loss tests are in the default tier
 def test_frontier_script_node_loss_recovered_by_hot_spare(nvidia_tiny, tmp_path):
     """3 nodes, one of them a hot spare that joins once the job runs. Rank 1 freezes
     before its optimizer step of iteration 4 and its node is lost (processes killed,

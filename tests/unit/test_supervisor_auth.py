@@ -201,7 +201,7 @@ def test_a_peer_without_the_secret_cannot_steer_the_job(tmp_path, capsys):
         time.sleep(1.0)  # > abort_timeout: a generation change would be done by now
         assert sup.gen == 0 and sup.history == [] and sup.alive()
         assert len(_ranks(out)) == 1  # the spare did not start a rank
-        assert sup.spares and sup.spares[0].proc.poll() is None  # still waiting
+        assert sup.pool.spares and sup.pool.spares[0].poll() is None  # still waiting
         said = capsys.readouterr().out
         assert WARN.format(key("abort", 0)) in said, said
 

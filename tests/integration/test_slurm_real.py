@@ -1,0 +1,250 @@
+"""The project's sbatch scripts on a real Slurm: munged, slurmctld and four slurmd on this
+host (tools/local_slurm.py), the scripts submitted unmodified with the real sbatch, nodes
+lost from outside (every process of the node's job step SIGKILLed, its shared memory
+wiped), in both restart modes; every run compared bit for bit with the failure-free run
+(losses, state hashes, the final persistent checkpoint item by item). Where Slurm cannot
+run (not installed, not root) these tests skip with the reason; `make test` installs it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from tests.harness import events as ev
+from tests.harness.oracle import assert_same_checkpoint, assert_same_losses
+from tests.harness.run import ENV_PATH, REPO, RunResult, events_file, parse
+
+from tools import local_slurm
+
+TINY_CPU = os.path.join(REPO, "examples", "slurm", "tiny_cpu.sbatch")
+NODES = 4  # 2 training nodes and up to 2 spare nodes
+# the job's numbers: the reference and every faulted run share them
+EXTRA = "--log-params-hash --log-loss-history"
+BASE = {"TRAIN_ARGS": "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 "
+                      "--lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 2 --lr-decay-style cosine",
+        "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HANG_TIMEOUT": "4",
+        "SAVE_INTERVAL": "100", "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running local Slurm of NODES nodes (the client environment), stopped afterwards."""
+    why = local_slurm.unavailable()
+    if why:
+        pytest.skip(why)
+    d = str(tmp_path_factory.mktemp("slurm"))
+    try:
+        env = local_slurm.up(d, nodes=NODES)
+    except local_slurm.SlurmUnavailable as exc:
+        pytest.skip(str(exc))
+    yield env
+    local_slurm.down(d)
+
+
+@dataclass
+class Job:
+    job_id: str
+    rc: int
+    output: str
+    log_dir: str
+    checkpoint: str
+    events_path: str
+
+    def run(self) -> RunResult:
+        res = parse(self.output, self.rc, self.events_path)
+        res.checkpoint = self.checkpoint
+        return res
+
+
+def job_processes(job_id: str, node: str | None = None) -> list[int]:
+    """Every process of this host whose environment says it belongs to the job (and runs
+    on Slurm node ``node``)."""
+    marks = [f"SLURM_JOB_ID={job_id}".encode()]
+    if node:
+        marks.append(f"SLURMD_NODENAME={node}".encode())
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if all(m in env for m in marks):
+                pids.append(int(entry))
+    return pids
+
+
+def lose_node(job_id: str, node: str, slot: int) -> list[int]:
+    """Node ``node`` is gone: every process of the job on it SIGKILLed (its node agent or
+    torchrun, the ranks, the REFT watcher), the shared memory of its slot wiped."""
+    pids = job_processes(job_id, node)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(f"/dev/shm/reft-{job_id}-node{slot}", ignore_errors=True)
+    return pids
+
+
+def sbatch(slurm, tmp_path, *options, faults=(), timeout=300, **env) -> Job:
+    """Submit tiny_cpu.sbatch with the real sbatch, wait for it; ``faults``: (regex, action)
+    pairs, each action run once when the job's output first matches its regex."""
+    submit = tmp_path / "submit"
+    os.makedirs(submit / "logs", exist_ok=True)
+    ckpt = str(tmp_path / "ckpt")
+    events = events_file(str(tmp_path))
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    full.update(slurm, REPO=REPO, VENV=os.path.dirname(os.path.dirname(
+        __import__("sys").executable)), CKPT_DIR=ckpt, **ENV_PATH, **BASE)
+    full[ev.ENV] = events
+    full.update(env)
+    proc = subprocess.Popen(["sbatch", "--wait", *options, TINY_CPU], cwd=submit, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = proc.stdout.readline()
+    m = re.search(r"Submitted batch job (\d+)", first)
+    assert m, first + proc.stdout.read()
+    job_id = m.group(1)
+    out_path = str(submit / "logs" / f"reft-tiny-cpu-{job_id}.out")
+    pending, deadline = list(faults), time.time() + timeout
+    try:
+        while proc.poll() is None:
+            if time.time() > deadline:
+                subprocess.run(["scancel", job_id], env=full)
+                raise AssertionError(f"job {job_id} still running after {timeout} s:\n" +
+                                     _read(out_path)[-6000:])
+            text = _read(out_path)
+            for f in list(pending):
+                if re.search(f[0], text):
+                    f[1](job_id)
+                    pending.remove(f)
+            time.sleep(0.05)
+    finally:
+        proc.wait()
+    output = _read(out_path)
+    left = job_processes(job_id)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    shm = glob.glob(f"/dev/shm/reft-{job_id}-*")
+    for p in shm:
+        shutil.rmtree(p, ignore_errors=True)
+    assert not pending, f"faults never triggered: {[f[0] for f in pending]}\n{output[-6000:]}"
+    assert not left, f"job {job_id} left processes behind: {left}\n{output[-3000:]}"
+    assert not shm, f"job {job_id} left shared memory behind: {shm}"
+    return Job(job_id, int(re.search(r"job \d+: exit (\d+)", output).group(1))
+               if re.search(r"job \d+: exit (\d+)", output) else 1, output,
+               str(submit / "logs" / f"reft-tiny-cpu-{job_id}"), ckpt, events)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def assert_bit_exact(job: Job, ref: Job) -> None:
+    assert job.rc == 0, job.output[-6000:]
+    run, want = job.run(), ref.run()
+    assert max(run.losses) == 10 and run.hashes == want.hashes, (run.hashes, want.hashes)
+    assert_same_losses(run, want)
+    assert_same_checkpoint(run, want)
+
+
+@pytest.fixture(scope="module")
+def reference(slurm, tmp_path_factory) -> Job:
+    """The failure-free job (in-process mode, no spare): what every faulted run must equal."""
+    job = sbatch(slurm, tmp_path_factory.mktemp("ref"), EXTRA_ARGS=EXTRA)
+    assert job.rc == 0, job.output[-6000:]
+    assert "restart in-process" in job.output
+    assert "[inprocess] job %s: exit 0 after 0 restart(s)" % job.job_id in job.output
+    return job
+
+
+def _pids_of(run: RunResult, event: str) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for e in run.events_of(event):
+        out.setdefault(e["rank"], set()).add(e["pid"])
+    return out
+
+
+def test_in_process_frozen_rank_then_lost_node(slurm, reference, tmp_path):
+    """3 nodes (one spare). Rank 0 freezes (SIGSTOP) at iteration 3: its node's watcher
+    kills it after --reft-hang-timeout, a warm worker of the same node takes rank 0, and
+    rank 1 restarts in its own process. In the next generation rank 1 freezes at iteration
+    7 and its node is lost from outside: the spare node's warm worker takes rank 1 from
+    the ARC replica, and rank 0 (the replacement of the first fault) stays in its process.
+    The job ends bit-identical to the failure-free job."""
+    job = sbatch(slurm, tmp_path, "--nodes=3", SPARE_NODES="1",
+                 EXTRA_ARGS=EXTRA + " --inject-fault 0:3:STOP,1:7:STOP::1",
+                 faults=[(r"\[FAULT\] injecting SIGSTOP into rank 1 ",
+                          lambda j: lose_node(j, local_slurm.node_name(2), 1))])
+    out = job.output
+    assert "3 node(s) allocated, training on 2:2 x 1 ranks, 1 hot spare(s)" in out
+    assert re.search(r"\[REFT\] hang: rank 0 ", out), out[-6000:]
+    assert re.search(r"generation 1: rank\(s\) \[0\] replaced by worker\(s\) \['0\.1'\] "
+                     r"\(1 warm", out), out[-6000:]
+    assert "node reftnode2 (node 1) lost" in out
+    assert "slot 1 (ranks 1-1) moves to spare node reftnode3" in out
+    assert re.search(r"generation 2: rank\(s\) \[1\] replaced by worker\(s\) \['2\.0'\] "
+                     r"\(1 warm", out), out[-6000:]
+    run = job.run()
+    restarts = _pids_of(run, "inprocess_restart")
+    aborts = _pids_of(run, "inprocess_abort")
+    # each survivor restarted in the process it had when its generation failed
+    assert restarts[1] == aborts[1] and len(restarts[1]) == 1, (restarts, aborts)
+    assert restarts[0] == aborts[0] and len(restarts[0]) == 1, (restarts, aborts)
+    assert "2: [REFT] recovered iteration 6 on rank 1 from ARC replica" in out
+    assert "0: [REFT] recovered iteration 6 on rank 0 from own memory" in out
+    assert_bit_exact(job, reference)
+
+
+def _lose_at(node: int, iteration: int):
+    """The fault of a test: when rank 1 stops at ``iteration``, node ``node`` is lost."""
+    return (rf"\[FAULT\] injecting SIGSTOP into rank 1 \(pid \d+\) at iteration {iteration},",
+            lambda j: lose_node(j, local_slurm.node_name(node), 1))
+
+
+def test_torchrun_restart_lost_node(slurm, reference, tmp_path):
+    """RESTART=torchrun, the other mode: node 2 is lost from outside once iteration 3 is
+    logged (wherever in an iteration that lands); torchrun's rendezvous takes the spare
+    node's agent in, every rank restarts as a new process, rank 1 comes back from the
+    ARC replica; bit-identical to the failure-free job. (No --inject-fault: a fresh
+    agent's workers count attempts from 0 and would fire it again.)"""
+    job = sbatch(slurm, tmp_path, "--nodes=3", SPARE_NODES="1", RESTART="torchrun",
+                 RDZV_CONF="keep_alive_interval=1,keep_alive_max_attempt=3",
+                 EXTRA_ARGS=EXTRA, faults=[(r"iteration +3/ +10 \|", lambda j: lose_node(
+                     j, local_slurm.node_name(2), 1))])
+    out = job.output
+    assert "restart torchrun" in out and "[inprocess]" not in out
+    assert re.search(r"\d: \[REFT\] recovered iteration \d+ on rank 1 from ARC replica",
+                     out), out[-6000:]
+    assert_bit_exact(job, reference)
+
+
+@pytest.mark.slow  # the default tier loses one node in each mode
+def test_in_process_two_successive_node_losses(slurm, reference, tmp_path):
+    """4 nodes, two of them spares: node 2 is lost at iteration 4, then the spare that
+    took its ranks (node 3) at iteration 8; node 4 takes them the second time. Rank 0
+    keeps its one process through both."""
+    job = sbatch(slurm, tmp_path, "--nodes=4", SPARE_NODES="2",
+                 EXTRA_ARGS=EXTRA + " --inject-fault 1:4:STOP,1:8:STOP::1",
+                 faults=[_lose_at(2, 4), _lose_at(3, 8)])
+    out = job.output
+    assert "slot 1 (ranks 1-1) moves to spare node reftnode3" in out
+    assert "slot 1 (ranks 1-1) moves to spare node reftnode4" in out
+    run = job.run()
+    assert len({e["pid"] for e in run.events_of("inprocess_restart", rank=0)}) == 1
+    assert len(run.events_of("inprocess_restart", rank=0)) == 2
+    assert_bit_exact(job, reference)

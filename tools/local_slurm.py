@@ -1,0 +1,259 @@
+"""A real Slurm cluster of N nodes on this one machine, for trying the sbatch scripts of
+examples/ and for the tests (tests/integration/test_slurm_real.py).
+
+Debian's ``slurm-wlm`` and ``munge``: one munged, one slurmctld and N slurmd, each slurmd
+a node of its own (``slurmd -N nodeK``) with its own port, spool directory and address
+``127.0.1.(10+K)`` (in /etc/hosts, so that ``scontrol show hostnames`` gives names the
+scripts can resolve and bind, as on a cluster). Everything else (configuration, state,
+logs, munge's key and socket) lives in one private directory, so several clusters (two
+test sessions) never meet::
+
+    python tools/local_slurm.py install          # apt-get the packages (root) if absent
+    python tools/local_slurm.py up DIR --nodes 3 # prints: export SLURM_CONF=DIR/slurm.conf
+    SLURM_CONF=DIR/slurm.conf sbatch examples/slurm/tiny_cpu.sbatch
+    python tools/local_slurm.py down DIR
+
+Not a production configuration: no cgroups (proctrack/linuxproc, task/none), no
+accounting, every daemon as root (root runs the tests on this project's CI machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+PACKAGES = ("slurm-wlm", "munge")
+DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol")
+HOSTS_MARK = "# reft local_slurm"
+
+
+class SlurmUnavailable(RuntimeError):
+    """Why no local Slurm can run here (a test skips with it)."""
+
+
+def node_name(k: int) -> str:
+    return f"reftnode{k}"
+
+
+def node_addr(k: int) -> str:
+    return f"127.0.1.{10 + k}"
+
+
+def unavailable() -> str | None:
+    """None when the daemons are installed and may be run, else why not."""
+    missing = [d for d in DAEMONS if not shutil.which(d, path=os.environ.get("PATH", "") +
+                                                      ":/usr/sbin:/sbin")]
+    if missing:
+        return (f"Slurm is not installed ({', '.join(missing)} missing): `make slurm` or "
+                f"`python tools/local_slurm.py install` as root")
+    if os.geteuid() != 0:
+        return "a local Slurm runs its daemons as root (slurmd starts jobs as their user)"
+    return None
+
+
+def install() -> None:
+    """apt-get the packages when a daemon is missing (root only; idempotent)."""
+    if unavailable() is None:
+        return
+    if os.geteuid() != 0:
+        raise SlurmUnavailable("installing slurm-wlm and munge needs root")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    get = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    if subprocess.run(get, env=env, capture_output=True).returncode == 0:
+        return
+    for cmd in (["apt-get", "update", "-q"], get):  # stale package lists: once more
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise SlurmUnavailable(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+
+
+def _ensure_hosts(nodes: int) -> None:
+    """Node names resolve to their loopback addresses (added to /etc/hosts once)."""
+    with open("/etc/hosts") as f:
+        text = f.read()
+    add = [f"{node_addr(k)} {node_name(k)} {HOSTS_MARK}" for k in range(1, nodes + 1)
+           if not any(line.split()[1:2] == [node_name(k)] for line in text.splitlines()
+                      if line.strip() and not line.startswith("#"))]
+    if add:
+        with open("/etc/hosts", "a") as f:
+            f.write(("" if text.endswith("\n") else "\n") + "\n".join(add) + "\n")
+
+
+def _free_ports(n: int) -> list[int]:
+    from tools.launch_nodes import free_port  # locked picks, outside the ephemeral range
+
+    return [free_port() for _ in range(n)]
+
+
+CONF = """\
+ClusterName=reft{tag}
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+AuthType=auth/munge
+AuthInfo=socket={d}/munge/munge.sock
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/linear
+ReturnToService=2
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+SlurmdParameters=config_overrides
+KillWait=10
+InactiveLimit=0
+MinJobAge=30
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def env(d: str) -> dict:
+    """The environment a client (sbatch, srun, squeue) of the cluster in ``d`` needs."""
+    return {"SLURM_CONF": os.path.join(d, "slurm.conf"),
+            "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
+
+
+def up(d: str, nodes: int = 3, timeout: float = 60) -> dict:
+    """Start munged, slurmctld and ``nodes`` slurmd for a cluster in directory ``d``
+    (created 0700); returns :func:`env`. Raises SlurmUnavailable with the daemons' log
+    when the nodes do not come up idle."""
+    why = unavailable()
+    if why:
+        raise SlurmUnavailable(why)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    for sub in ("state", "log", "munge", *(f"spool/{node_name(k)}" for k in range(1, nodes + 1))):
+        os.makedirs(os.path.join(d, sub), mode=0o700, exist_ok=True)
+    _ensure_hosts(nodes)
+    shutil.copyfile("/etc/munge/munge.key", os.path.join(d, "munge", "munge.key"))
+    os.chmod(os.path.join(d, "munge", "munge.key"), 0o600)
+    ports = _free_ports(nodes + 1)
+    lines = [f"NodeName={node_name(k)} NodeAddr={node_addr(k)} NodeHostname=localhost "
+             f"Port={ports[k]} CPUs={os.cpu_count()} State=UNKNOWN"
+             for k in range(1, nodes + 1)]
+    with open(os.path.join(d, "slurm.conf"), "w") as f:
+        f.write(CONF.format(d=d, tag=ports[0], ctld_port=ports[0], nodes="\n".join(lines)))
+    e = dict(os.environ, **env(d))
+    m = os.path.join(d, "munge")
+    _daemon(["munged", f"--socket={m}/munge.sock", f"--key-file={m}/munge.key",
+             f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log",
+             f"--seed-file={m}/seed", "--force"], e)
+    _daemon(["slurmctld", "-f", e["SLURM_CONF"]], e)
+    for k in range(1, nodes + 1):
+        _daemon(["slurmd", "-f", e["SLURM_CONF"], "-N", node_name(k)], e)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=e, capture_output=True,
+                           text=True)
+        states = dict(line.split() for line in r.stdout.splitlines() if line.strip())
+        if len(states) == nodes and all(s == "idle" for s in states.values()):
+            return env(d)
+        time.sleep(0.5)
+    logs = "".join(_tail(os.path.join(d, "log", n)) for n in sorted(os.listdir(
+        os.path.join(d, "log"))))
+    down(d)
+    raise SlurmUnavailable(f"the local Slurm in {d} did not come up in {timeout:.0f} s "
+                           f"(sinfo: {r.stdout.strip() or r.stderr.strip()}):\n{logs}")
+
+
+def _daemon(cmd: list[str], e: dict) -> None:
+    r = subprocess.run(cmd, env=e, capture_output=True, text=True)  # they daemonize
+    if r.returncode:
+        raise SlurmUnavailable(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-2000:]}")
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f"--- {path}\n{f.read()[-n:]}\n"
+    except OSError:
+        return ""
+
+
+def _pids(d: str) -> list[int]:
+    out = []
+    for name in sorted(os.listdir(d)) + [f"munge/{n}" for n in os.listdir(
+            os.path.join(d, "munge"))] if os.path.isdir(d) else []:
+        if name.endswith(".pid"):
+            try:
+                out.append(int(open(os.path.join(d, name)).read().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def down(d: str, timeout: float = 20) -> None:
+    """Cancel every job of the cluster and stop its daemons (SIGKILL after ``timeout``)."""
+    e = dict(os.environ, **env(d))
+    subprocess.run(["scancel", "--full", "--quiet", "-u", "root"], env=e, capture_output=True,
+                   timeout=30)
+    pids = _pids(d)
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        _kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("install", help="apt-get slurm-wlm and munge when absent (root)")
+    u = sub.add_parser("up", help="start a cluster in DIR")
+    u.add_argument("dir")
+    u.add_argument("--nodes", type=int, default=3)
+    sub.add_parser("down", help="stop the cluster in DIR").add_argument("dir")
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "install":
+            install()
+            print("[local_slurm] slurm-wlm and munge installed")
+        elif a.cmd == "up":
+            e = up(os.path.abspath(a.dir), a.nodes)
+            print(f"export SLURM_CONF={e['SLURM_CONF']}")
+        else:
+            down(os.path.abspath(a.dir))
+    except SlurmUnavailable as exc:
+        print(f"[local_slurm] {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
