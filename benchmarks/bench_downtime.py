@@ -1,7 +1,11 @@
 """Downtime per failure: process restart vs in-process restart vs in-process with a warm
 spare, side by side in one run (also `bench_recovery.py --parts downtime`).
 
-    python benchmarks/bench_downtime.py [--repeats 3] [--scenarios crash,node]
+    python benchmarks/bench_downtime.py [--repeats 3] [--scenarios crash,node] [--slurm]
+
+--slurm adds the rows of a real Slurm (benchmarks/downtime_slurm.py: four local slurmd,
+tiny_cpu.sbatch in both restart modes, 2 nodes + a spare node; root and slurm-wlm needed)
+for the same two failures: a crash, and a node lost from outside.
 
 crash: the tiny default job (`make run`'s flags, 4 ranks, TP1xPP2xDP2 ZeRO-1, arc,aor,
 each rank its own failure domain); rank 1 is SIGKILLed before its optimizer step of
@@ -31,6 +35,7 @@ replayed, REFT-load, data), start, first iteration. Medians over interleaved rou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -43,6 +48,7 @@ from reft_ext.report.events import read as read_events  # noqa: E402
 from reft_ext.report.progress import Progress  # noqa: E402
 from tools.inprocess_launcher import InProcessLauncher  # noqa: E402
 from tools.launch_nodes import LaunchConfig  # noqa: E402
+from benchmarks.downtime_slurm import MODES as SLURM_MODES, Cluster  # noqa: E402
 
 REFT = ["--reft-snapshot-every", "1", "--reft-protect", "arc,aor", "--reft-ranks-per-node",
         "1", "--log-interval", "1", "--eval-iters", "0", "--mock-data",
@@ -131,14 +137,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians)")
     ap.add_argument("--scenarios", default="crash,node", help="comma list: crash, node")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma list of " +
+                    ", ".join(MODES + SLURM_MODES))
+    ap.add_argument("--slurm", action="store_true", help="add the modes of a real Slurm")
     a = ap.parse_args()
     names = a.scenarios.split(",")
-    modes = a.modes.split(",")
-    if set(names) - set(SCENARIOS) or set(modes) - set(MODES):
-        ap.error(f"--scenarios from {list(SCENARIOS)}, --modes from {list(MODES)}")
+    modes = [m for m in a.modes.split(",") if m] + (list(SLURM_MODES) if a.slurm else [])
+    if set(names) - set(SCENARIOS) or set(modes) - set(MODES) - set(SLURM_MODES):
+        ap.error(f"--scenarios from {list(SCENARIOS)}, --modes from {list(MODES + SLURM_MODES)}")
     rows: dict = {}
-    with tempfile.TemporaryDirectory() as tmp, \
+    cluster = Cluster() if any(m in SLURM_MODES for m in modes) else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as tmp, cluster as slurm, \
             Progress(a.repeats * len(names) * len(modes), "bench_downtime", unit="run") as bar:
         for rep in range(a.repeats):
             for name in names:
@@ -147,11 +156,14 @@ def main() -> None:
                     events = os.path.join(tmp, f"{name}-{rep}-{len(mode)}.jsonl")
                     open(events, "w").close()
                     job = [*args, "--inject-fault", fault]
-                    if mode == "process":
+                    if mode in SLURM_MODES:
+                        slurm.run(name, mode, events, tmp)
+                    elif mode == "process":
                         run_process(job, events, tmp)
                     else:
                         run_inprocess(job, events, tmp, spares=int("spare" in mode))
-                    s = split(read_events(events), mode)
+                    s = split(read_events(events), "process" if mode == "slurm torchrun"
+                              else mode)
                     rows.setdefault((name, mode), []).append(s)
                     bar.write(f"  [{name}, {mode}, round {rep + 1}] " +
                               ", ".join(f"{k} {v:.2f}" for k, v in s.items()))
@@ -159,20 +171,21 @@ def main() -> None:
     for name in names:
         def med(mode, key):
             return statistics.median(s[key] for s in rows[(name, mode)])
-        base = (name, "process") in rows
         print(f"\n{name}: seconds from the fault (median of {a.repeats}; 4 ranks on this "
-              f"host): resume = every rank training again, downtime = + the first "
-              f"iteration")
-        print("| mode | resume | downtime | vs process (resume, downtime) | split (medians) "
+              f"host; the slurm rows: tiny_cpu.sbatch, 2 ranks on 2 Slurm nodes + a spare): "
+              f"resume = every rank training again, downtime = + the first iteration")
+        print("| mode | resume | downtime | vs process or slurm torchrun (resume, downtime) "
+              "| split (medians) "
               "| every round (resume / downtime) |")
         print("|---|---|---|---|---|---|")
         for mode in modes:
             ss = rows[(name, mode)]
             parts = ", ".join(f"{k} {med(mode, k):.2f}" for k in ss[0]
                               if k not in ("resume", "downtime"))
-            ratio = (f"{med('process', 'resume') / med(mode, 'resume'):.1f}x, "
-                     f"{med('process', 'downtime') / med(mode, 'downtime'):.1f}x"
-                     if base else "-")
+            ref = "slurm torchrun" if mode in SLURM_MODES else "process"
+            ratio = (f"{med(ref, 'resume') / med(mode, 'resume'):.1f}x, "
+                     f"{med(ref, 'downtime') / med(mode, 'downtime'):.1f}x"
+                     if (name, ref) in rows else "-")
             print(f"| {mode} | {med(mode, 'resume'):.2f} | {med(mode, 'downtime'):.2f} | "
                   f"{ratio} | {parts} | " +
                   " / ".join(f"{s['resume']:.2f}/{s['downtime']:.2f}" for s in ss) + " |")

@@ -18,6 +18,7 @@ of reft_ext that joins the pieces (save, load, cluster, report); it imports no t
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import errno
 import math
@@ -58,6 +59,47 @@ class LoopState(Protocol):
     report: dict                   # this iteration's {"loss": ..., "grad_norm": ...}
 
 
+class Session(abc.ABC):
+    """What the trainer calls, whether REFT is on (:class:`ReftSession`) or off
+    (:class:`DisabledSession`): one interface, so no call site asks which it holds.
+    ``tests/unit/test_session_interface.py`` checks that both implement all of it with
+    the same signatures."""
+
+    enabled: bool
+
+    @abc.abstractmethod
+    def recover(self, persistent_iteration: int | None) -> int | None: ...
+    @abc.abstractmethod
+    def count_recovery(self, tier: str) -> None: ...
+    @abc.abstractmethod
+    def recovered_from_checkpoint(self, path: str) -> None: ...
+    @abc.abstractmethod
+    def on_start(self, state) -> None: ...
+    @abc.abstractmethod
+    def before_optimizer_step(self, state) -> None: ...
+    @abc.abstractmethod
+    def after_step(self, state) -> None: ...
+    @abc.abstractmethod
+    def rollback(self, state, reason: str) -> None: ...
+    @abc.abstractmethod
+    def heartbeat_paused(self): ...
+    @abc.abstractmethod
+    def pause_heartbeat(self) -> None: ...
+    @abc.abstractmethod
+    def on_exit(self, state) -> None: ...
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """This generation failed (in-process restart): stop without committing."""
+    @abc.abstractmethod
+    def close(self) -> None: ...
+    @abc.abstractmethod
+    def release_start(self) -> None: ...
+    @abc.abstractmethod
+    def summary(self, state) -> str: ...
+    @abc.abstractmethod
+    def write_trace(self) -> None: ...
+
+
 class _Trace:
     """The Chrome trace of ``--reft-trace-file`` (with or without snapshots)."""
 
@@ -83,7 +125,7 @@ class _Trace:
                       path=path)
 
 
-class DisabledSession(_Trace):
+class DisabledSession(_Trace, Session):
     """REFT off (``--reft-snapshot-every 0``): the session's interface, doing nothing
     (but the trace, which ``--reft-trace-file`` asks for without snapshots too)."""
 
@@ -120,6 +162,9 @@ class DisabledSession(_Trace):
     def on_exit(self, state) -> None:
         pass
 
+    def abandon(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -130,7 +175,7 @@ class DisabledSession(_Trace):
         return ""
 
 
-class ReftSession(_Trace):
+class ReftSession(_Trace, Session):
     """One rank's REFT: snapshots after each step, REFT-load at start-up, loss-spike
     rollback, heartbeat and node watcher, clean-up and summary at the end."""
 

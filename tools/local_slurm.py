@@ -23,7 +23,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -228,6 +227,75 @@ def _kill(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+# ---- jobs and faults from outside (tests/integration/test_slurm_real.py, benchmarks) ----
+def job_processes(job_id: str, node: str | None = None) -> list[int]:
+    """Every process of this host whose environment says it belongs to job ``job_id``
+    (and runs on Slurm node ``node``): what a node's loss takes with it."""
+    marks = [f"SLURM_JOB_ID={job_id}".encode()]
+    if node:
+        marks.append(f"SLURMD_NODENAME={node}".encode())
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if all(m in env for m in marks):
+                pids.append(int(entry))
+    return pids
+
+
+def lose_node(job_id: str, node: str, shm_dirs: list[str] = ()) -> list[int]:
+    """Node ``node`` is gone: every process of the job on it SIGKILLed (its node agent or
+    torchrun, the ranks, REFT's watcher), its shared memory (``shm_dirs``) wiped."""
+    pids = job_processes(job_id, node)
+    for pid in pids:
+        _kill(pid, signal.SIGKILL)
+    for d in shm_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    return pids
+
+
+def submit(env: dict, script: str, cwd: str, options=(), faults=(), timeout: float = 300,
+           out: str = "logs/%x-%j.out") -> tuple[str, int, str]:
+    """``sbatch --wait`` ``script`` from ``cwd``; ``faults``: (regex, action(job_id))
+    pairs, each run once when the job's output (``out``, with %j and %x filled in) first
+    matches. Returns (job id, sbatch's status, the output's path); raises TimeoutError
+    (after scancel) past ``timeout`` and AssertionError naming the faults never run."""
+    import re
+
+    proc = subprocess.Popen(["sbatch", "--wait", *options, script], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = proc.stdout.readline()
+    m = re.search(r"Submitted batch job (\d+)", first)
+    if not m:
+        proc.wait()
+        raise RuntimeError(f"sbatch refused {script}: {first}{proc.stdout.read()}")
+    job_id = m.group(1)
+    name = next((ln.split("=", 1)[1].strip() for ln in open(script)
+                 if ln.startswith("#SBATCH --job-name=")), "")
+    path = os.path.join(cwd, out.replace("%j", job_id).replace("%x", name))
+    pending, deadline = list(faults), time.time() + timeout
+    try:
+        while proc.poll() is None:
+            if time.time() > deadline:
+                subprocess.run(["scancel", job_id], env=env)
+                raise TimeoutError(f"job {job_id} still running after {timeout:.0f} s")
+            text = _tail(path, 10**9) if pending else ""
+            for f in list(pending):
+                if re.search(f[0], text):
+                    f[1](job_id)
+                    pending.remove(f)
+            time.sleep(0.05)
+    finally:
+        proc.wait()
+    if pending:
+        raise AssertionError(f"job {job_id}: faults never triggered: {[f[0] for f in pending]}")
+    return job_id, proc.returncode, path
 
 
 def main(argv=None) -> int:

@@ -153,12 +153,15 @@ class Agent:
                          f"lost or the job ended; stopping this node's workers")
                 self.stop_all(signal.SIGKILL)
                 return 1
-            if cmd.get("op") == "spawn":
+            if cmd.get("op") == "ping":  # beat now: the coordinator is deciding
+                next_beat = 0.0
+            elif cmd.get("op") == "spawn":
                 self.spawn(int(cmd.get("count", 1)))
             elif cmd.get("op") == "kill":
                 self.kill(str(cmd.get("wid")), int(cmd.get("sig", signal.SIGKILL)))
             elif cmd.get("op") == "stop":
-                self.say("the job is over: stopping the warm workers")
+                self.say("stopping the workers, as the coordinator asked (the job is over, "
+                         "or this node was given up)")
                 self.stop_all(signal.SIGTERM, grace=10)
                 return 0
 

@@ -36,6 +36,7 @@ from reft_ext.cluster.pool import Pool, Worker
 
 HEARTBEAT_S = 0.25   # an agent's heartbeat period
 NODE_TIMEOUT_S = 3.0  # a node whose heartbeat stopped this long is lost
+PING_TIMEOUT_S = 1.0  # a node that does not answer a ping (a beat at once) this fast is lost
 
 
 def wid_of(node: int, k: int) -> str:
@@ -47,6 +48,7 @@ class _Node:
         self.n, self.host, self.started = n, host, started
         self.hb, self.hb_seen = None, time.monotonic()
         self.lost = False
+        self.pinged: float | None = None  # when asked for an immediate beat
 
 
 class _NodeWorker(Worker):
@@ -59,6 +61,9 @@ class _NodeWorker(Worker):
         if code is None and self.pool.is_lost(self.node):
             return -signal.SIGKILL  # its node is gone, and it with it
         return code
+
+    def probe(self) -> None:
+        self.pool.ping(self.node)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if not self.pool.is_lost(self.node):
@@ -151,11 +156,30 @@ class NodePool(Pool):
             node = self.nodes[n]
             value = verify(self.secret, key("hb", n), raw, 0)
             if value is not None and value != node.hb:
-                node.hb, node.hb_seen = value, now
-            elif now - node.hb_seen > self.node_timeout:
-                node.lost = True
-                self.say(f"node {node.host} (node {n}) lost: no heartbeat for "
-                         f"{now - node.hb_seen:.1f} s")
+                node.hb, node.hb_seen, node.pinged = value, now, None
+            elif now - node.hb_seen > self.node_timeout or (
+                    node.pinged is not None and now - node.pinged > PING_TIMEOUT_S):
+                self._lose(node, f"no heartbeat for {now - node.hb_seen:.1f} s" +
+                           (f", no answer to a ping for {now - node.pinged:.1f} s"
+                            if node.pinged is not None else ""))
+
+    def _lose(self, node: _Node, why: str) -> None:
+        """Give the node up. Should it be alive after all (a stall, not a loss), its
+        agent stops every worker, so no rank ever runs twice."""
+        node.lost = True
+        self.say(f"node {node.host} (node {node.n}) lost: {why}")
+        try:
+            self.command(node.n, op="stop")
+        except Exception:  # noqa: BLE001 - it is gone anyway
+            pass
+
+    def ping(self, node: _Node) -> None:
+        """A rank of ``node`` is neither ready nor dead after an abort: ask its agent for
+        a beat now, so that a lost node is known in about a round trip, not
+        ``node_timeout`` (each node once per silence)."""
+        if not node.lost and node.pinged is None:
+            node.pinged = time.monotonic()
+            self.command(node.n, op="ping")
 
     def is_lost(self, node: _Node) -> bool:
         return node.lost

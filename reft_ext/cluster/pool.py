@@ -41,6 +41,9 @@ class Worker:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         raise NotImplementedError
 
+    def probe(self) -> None:
+        """It is neither ready nor dead after an abort: find out soon (a node's loss)."""
+
     def wait_dead(self, timeout: float) -> bool:
         """After :meth:`kill`: wait until it has ended; False if it has not in time."""
         deadline = time.time() + timeout

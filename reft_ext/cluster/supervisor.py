@@ -1,28 +1,37 @@
-"""The in-process supervisor: starts every rank itself, keeps warm spares, and turns a
-failure into a new generation instead of a restart of every process.
+"""The in-process supervisor: keeps the job's ranks in processes that survive a failure,
+keeps warm spares, and turns a failure into a new generation instead of a restart of
+every process.
 
 torchrun cannot do this: its agent stops every local worker when one fails, and the c10d
-rendezvous makes every other agent restart too. Here one supervisor per job (a host of
-its own on a cluster, as an etcd is; ``tools/launch_nodes.py --restart in-process`` on
-one host) owns a TCPStore and the rank processes (reft_ext/cluster/spare.py):
+rendezvous makes every other agent restart too. Here one supervisor per job owns a
+TCPStore and runs the generation protocol; a *pool* (reft_ext/cluster/pool.py) owns the
+rank processes: on one host the supervisor starts them itself (``LocalPool``,
+``tools/launch_nodes.py --restart in-process``), across nodes one node agent per node
+does (``NodePool``, reft_ext/cluster/node_pool.py; the supervisor is then the batch
+step's coordinator, reft_ext/cluster/coordinator.py):
 
 * a rank that exits non-zero (crash, SIGKILL, its node lost), or an ``abort/<g>`` that a
   rank set (a collective failed), ends generation g: the supervisor sets ``abort/<g>``
-  (every rank's abort watcher closes its communicators: reft_ext/cluster/inprocess.py);
+  and fills every rank's ``wake/<g>/<rank>`` (each rank's abort watcher, blocked on it,
+  closes its communicators: reft_ext/cluster/inprocess.py);
 * it waits until every rank is either dead or ``ready/<g>/<rank>`` (torn down, waiting),
-  at most ``abort_timeout`` s; a rank that is neither by then (frozen) is SIGKILLed;
-* each dead rank's place goes to a warm spare (imports done) or a new worker, which
-  joins generation g + 1 directly; then ``gen = g + 1`` is published and the survivors
-  rendezvous with the replacements in the same processes they had;
-* the spare pool is refilled once every rank has finished an iteration in the new
+  at most ``abort_timeout`` s; a rank that is neither by then (frozen) is SIGKILLed (by
+  its node's agent on a cluster);
+* each dead rank's place goes to a worker the pool picks (a warm one where it can: on
+  the rank's own node, or a spare node for a lost one), which joins generation g + 1
+  directly; then ``gen`` and ``gen/<g+1>`` are published and the survivors rendezvous
+  with the replacements in the same processes they had;
+* the warm workers are topped up once every rank has finished an iteration in the new
   generation (``trained/<g>/<rank>``): on a shared host a spare's imports would
   otherwise take cores from the very recovery it shortens.
 
-The store listens on loopback only (:func:`listen`), and what steers the job in it is
-signed with the job's secret (reft_ext/cluster/inprocess.py ``sign``), which the
-supervisor makes and hands its workers in their environment: a local process that
-connects to the store can neither abort the job nor give a spare a rank, let alone an
-environment (a spare is sent a rank and a generation, nothing else).
+Between events the supervisor blocks: on the local pool it polls its children (20 ms),
+on the node pool it waits for the next ``ev/<n>`` key that anything it must act on posts.
+The store listens on one address only (:func:`listen`: loopback on one host, the first
+node's address on a cluster), and what steers the job in it is signed with the job's
+secret (reft_ext/cluster/inprocess.py ``sign``), handed to the workers in their
+environment: a process that connects to the store can neither abort the job nor give a
+spare a rank, let alone an environment (a spare is sent a rank and a generation only).
 
 ``history`` records every generation change (who died, the times of each step), what
 benchmarks/bench_recovery.py splits downtime with.
@@ -205,6 +214,7 @@ class Supervisor:
         wake_ranks(self.store, g, self.ranks)
         deadline = time.time() + self.cfg.abort_timeout
         waiting = set(self.ranks)
+        probe_at = time.time() + 0.2  # the live ones are ready by then, as a rule
         while True:
             for r in sorted(waiting):
                 w = self.ranks[r]
@@ -212,6 +222,10 @@ class Supervisor:
                     waiting.discard(r)
             if not waiting:
                 break
+            if probe_at and time.time() > probe_at:  # is the silent ones' node there?
+                for r in waiting:
+                    self.ranks[r].probe()
+                probe_at = 0
             if time.time() > deadline:  # frozen: the same as dead
                 for r in waiting:
                     self.ranks[r].kill(signal.SIGKILL)

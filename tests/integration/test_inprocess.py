@@ -143,3 +143,25 @@ def test_five_restarts_leak_nothing(tmp_path, reference_runs):
     rss = [e["rss_mb"] for e in mine]
     assert rss[4] < 1.03 * rss[1], rss
     assert_exact(run, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_restart_in_process_without_reft_resumes_from_the_checkpoint(tmp_path, reference_runs):
+    """--reft-snapshot-every 0: no host-memory state, but the in-process restart still
+    works (the session without REFT abandons like REFT's): rank 1 dies in iteration 5,
+    the survivors reload the persistent checkpoint of iteration 4 in their processes and
+    the job ends exactly as the failure-free run."""
+    ref = reference_runs("pp2dp2-zero1", 4, REF)
+    args = [*REF, "--reft-snapshot-every", "0", "--reft-restart", "in-process",
+            "--save-interval", "2", "--inject-fault", "1:5",
+            "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    with launch(tmp_path, args) as L:
+        first_pids = L.sup.pids()
+        run = finish(L)
+    assert run.returncode == 0, run.output[-6000:]
+    assert "AttributeError" not in run.output
+    assert {e["rank"] for e in restarts(run)} == {0, 2, 3}
+    assert all(e["pid"] == first_pids[e["rank"]] for e in restarts(run))
+    assert {e["iteration"] for e in restarts(run)} == {4}
+    assert_exact(run, ref)

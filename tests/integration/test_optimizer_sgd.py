@@ -21,6 +21,8 @@ def _params_per_rank(output: str) -> int:
     return counts.pop()
 
 
+@pytest.mark.slow  # make test's budget (the real-Slurm tests): SGD's state capture is
+# bitwise-tested against torch's lazy state in the unit tests of the default tier
 def test_sgd_momentum_crash_recovers_bit_exactly(reference_runs):
     """Rank 1 is SIGKILLed before iteration 5's step; both ranks reload iteration 4
     from their own memory and end bit-identical to the failure-free run. Each rank's

@@ -3,9 +3,13 @@ itself bit for bit (the basis of every REFT snapshot)."""
 
 import re
 
+import pytest
+
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
 
+@pytest.mark.slow  # make test's budget: every recovery test of the default tier restores
+# a captured state and trains on bit for bit
 def test_capture_restore_repeats_training_bitwise():
     run = torchrun(4, TINY + ["--train-iters", "5"] + LAYOUTS["pp2dp2-zero1"],
                    script="tests/workers/train_state_worker.py").check()
