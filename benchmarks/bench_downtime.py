@@ -21,7 +21,9 @@ Two figures per run, both from the fault's moment (its ``fault`` event, written 
 before the signal): resume = until every rank is back in the training loop with the
 restored state (its ``resume`` event: the first step begins; what bench_recovery.py's
 node-loss "total" measured), and downtime = until the end of the first iteration after
-the restored one (the ``iteration`` event), i.e. resume plus one iteration. The split,
+the restored one (the ``iteration`` event), i.e. resume plus one iteration; beside the
+first iteration after the recovery, the median iteration before the fault (warm-up
+left out), the steady state it should match. The split,
 from the processes' own events: process mode: restart (kill -> the new processes
 exist), imports, init (process groups, health check), build (model, optimizer), load
 (REFT-load), data, start (the hooks' on_start: AOR replicas), first iteration;
@@ -128,6 +130,13 @@ def split(events: list[dict], mode: str) -> dict:
         out["rejoin"] = t_done - t_abort - wait - rdzv
         out["start"] = t_resume - t_done
     out["first iteration"] = t_next - t_resume
+    # the steady state it is compared with: iterations ended before the fault, the first
+    # two (warm-up) left out
+    before = sorted(e["time"] for e in events if e["event"] == "iteration"
+                    and e["time"] < t_kill)[1:]
+    if len(before) >= 3:
+        out["median iteration before"] = statistics.median(
+            b - a for a, b in zip(before, before[1:]))
     out["resume"] = t_resume - t_kill
     out["downtime"] = t_next - t_kill
     return out

@@ -22,6 +22,8 @@
 #                  (torchrun: waiting in its rendezvous; in-process: warm workers)
 #                  that take the ranks of a lost node
 #   SPARE_WORKERS  in-process: warm workers per training node for a crashed rank (1)
+#   ABORT_TIMEOUT  in-process: seconds a rank may take to leave a failed generation
+#                  before its node agent kills it as frozen (30)
 #   MIN_NODES      elastic minimum, torchrun --nnodes MIN:MAX (default MAX: fixed size;
 #                  RESTART=torchrun only: in-process keeps the job's size)
 #   NPROC_PER_NODE ranks per node = devices per node (default 8); one failure domain
@@ -129,6 +131,7 @@ _reft_start_coordinator() {
         --host "$RDZV_HOST" --port "$RDZV_PORT" --nodes "$NNODES_MAX" \
         --alloc-nodes "$ALLOC_NODES" --ranks-per-node "$NPROC_PER_NODE" \
         --spares-per-node "$SPARE_WORKERS" --max-restarts "$MAX_RESTARTS" \
+        --abort-timeout "${ABORT_TIMEOUT:-30}" \
         --job-id "$SLURM_JOB_ID" --log-dir "$LOG_DIR" --ready-file "$ready" \
         -- "$REPO/pretrain_llama.py" "$@" > >(trap '' TERM; exec tee -a "$LOG_DIR/coordinator.log") 2>&1 &
     REFT_STORE_PID=$!

@@ -304,6 +304,10 @@ class Checkpointer:
                 # into the tensors REFT's snapshot layout already holds
                 optimizer_state.load_state_dict_in_place(state.optimizer, loaded["optimizer"])
                 optimizer_state.set_optimizer_steps(state.optimizer, loaded["adam_steps"])  # bug 3
+                # upstream bug 6: OptimizerParamScheduler.load_state_dict *adds* the
+                # saved step count (step(increment=num_steps)), right only for a fresh
+                # scheduler; a survivor of an in-process restart has stepped already
+                state.scheduler.num_steps = 0
                 state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if load_rng:
             state.set_rng_state(loaded["rng_state"])

@@ -195,6 +195,25 @@ def test_in_process_two_successive_node_losses(slurm, reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_in_process_rank_frozen_during_the_abort_is_killed_by_its_node_agent(
+        slurm, reference, tmp_path):
+    """Rank 0 crashes at iteration 5 while rank 1 freezes (SIGSTOP) there, with REFT's
+    hang detection far away (120 s): rank 1 never leaves the failed generation, so after
+    ABORT_TIMEOUT the coordinator has its node's agent kill it; both ranks are replaced
+    by warm workers of their own nodes and restored from their nodes' memory; exact."""
+    job = sbatch(slurm, tmp_path, HANG_TIMEOUT="120", ABORT_TIMEOUT="5",
+                 EXTRA_ARGS=EXTRA + " --inject-fault 0:5,1:5:STOP")
+    out = job.output
+    assert re.search(r"killing worker 1\.0 \(pid \d+\) with signal 9, as the coordinator "
+                     r"asked", out), out[-6000:]
+    assert re.search(r"generation 1: rank\(s\) \[0, 1\] replaced by worker\(s\) "
+                     r"\['0\.1', '1\.1'\]", out), out[-6000:]
+    assert "node reftnode2 (node 1) lost" not in out  # it answered the ping
+    assert "recovered iteration 4 on rank 1 from own memory" in out
+    assert_bit_exact(job, reference)
+
+
+@pytest.mark.slow
 def test_in_process_losing_the_stores_node_ends_the_job_cleanly(slurm, tmp_path):
     """The coordinator's store lives with the batch step on the first node. Losing that
     node ends the job (Slurm's batch host is gone) as a failure, and nothing of it keeps
