@@ -132,8 +132,10 @@ def split(events: list[dict], mode: str) -> dict:
     out["first iteration"] = t_next - t_resume
     # the steady state it is compared with: iterations ended before the fault, the first
     # two (warm-up) left out
-    before = sorted(e["time"] for e in events if e["event"] == "iteration"
-                    and e["time"] < t_kill)[1:]
+    # (one rank's: every rank of the last stage records its iterations)
+    its = [e for e in events if e["event"] == "iteration" and e["time"] < t_kill]
+    one = min((e["rank"] for e in its), default=None)
+    before = sorted(e["time"] for e in its if e["rank"] == one)[1:]
     if len(before) >= 3:
         out["median iteration before"] = statistics.median(
             b - a for a, b in zip(before, before[1:]))
