@@ -141,9 +141,10 @@ class Agent:
                 except torch.distributed.DistStoreError:
                     continue  # the heartbeat's turn
                 raw = read_signed(self.store, self.secret, k, i)
+                if raw is None:  # forged (warned once): the coordinator's value for
+                    time.sleep(0.05)  # this index overwrites it; look again, heartbeat on
+                    continue
                 i += 1
-                if raw is None:
-                    continue  # forged: ignored (the warning was printed)
                 cmd = json.loads(raw)
             except Exception as exc:  # noqa: BLE001 - the coordinator is gone
                 if self.stopping.is_set():

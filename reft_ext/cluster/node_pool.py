@@ -37,6 +37,8 @@ from reft_ext.cluster.pool import Pool, Worker
 HEARTBEAT_S = 0.25   # an agent's heartbeat period
 NODE_TIMEOUT_S = 3.0  # a node whose heartbeat stopped this long is lost
 PING_TIMEOUT_S = 1.0  # a node that does not answer a ping (a beat at once) this fast is lost
+MAX_EVENTS = 4096     # events read per wake-up (a forged counter cannot make it more)
+GAP_S = 5.0           # an event counted but never written is given up after this
 
 
 def wid_of(node: int, k: int) -> str:
@@ -94,6 +96,7 @@ class NodePool(Pool):
         self.exits: dict[str, int] = {}
         self.all: list[_NodeWorker] = []
         self._next_ev = 1
+        self._gaps: dict[int, float] = {}  # event indices counted but not written yet
         self._hb_checked = 0.0
 
     def say(self, msg: str) -> None:
@@ -129,18 +132,30 @@ class NodePool(Pool):
     # ---- what happened -------------------------------------------------------------
     def update(self, timeout: float) -> None:
         """Block until the next event or ``timeout``; take in exits and heartbeats."""
+        first = min(self._gaps, default=self._next_ev)
         try:
-            self.store.wait([key("ev", self._next_ev)], datetime.timedelta(seconds=timeout))
+            self.store.wait([key("ev", first)], datetime.timedelta(seconds=timeout))
         except torch.distributed.DistStoreError:
             pass
         seq = self.store.add(key("evseq"), 0)
-        if seq >= self._next_ev:
-            ks = [key("ev", i) for i in range(self._next_ev, seq + 1)]
-            for raw in self.store.multi_get(ks):
-                what = raw.decode("utf-8", "replace").split()
-                if len(what) == 2 and what[0] == "exit":
-                    self._take_exit(what[1])
-            self._next_ev = seq + 1
+        # A poster counts (evseq) before it writes ev/<n>: an index not written yet is
+        # a gap, looked at again on every wake-up. Anyone reaching the store can bump
+        # the counter, so a gap is given up after GAP_S, and at most MAX_EVENTS are
+        # read (multi_get would wait for keys that may never come).
+        idx = sorted(set(self._gaps) | set(range(max(self._next_ev, seq + 1 - MAX_EVENTS),
+                                                 seq + 1)))
+        self._next_ev = max(self._next_ev, seq + 1)
+        now = time.monotonic()
+        for i in idx:
+            k = key("ev", i)
+            if not self.store.check([k]):
+                if now - self._gaps.setdefault(i, now) > GAP_S:
+                    del self._gaps[i]
+                continue
+            self._gaps.pop(i, None)
+            what = self.store.get(k).decode("utf-8", "replace").split()
+            if len(what) == 2 and what[0] == "exit":
+                self._take_exit(what[1])
         if time.monotonic() - self._hb_checked >= HEARTBEAT_S:
             self._check_heartbeats()
 
@@ -152,7 +167,10 @@ class NodePool(Pool):
     def _check_heartbeats(self) -> None:
         self._hb_checked = now = time.monotonic()
         live = [n for n, node in self.nodes.items() if not node.lost]
-        for n, raw in zip(live, self.store.multi_get([key("hb", n) for n in live])):
+        ks = [key("hb", n) for n in live]
+        raws = (self.store.multi_get(ks) if self.store.check(ks) else
+                [self.store.get(k) if self.store.check([k]) else b"" for k in ks])
+        for n, raw in zip(live, raws):
             node = self.nodes[n]
             value = verify(self.secret, key("hb", n), raw, 0)
             if value is not None and value != node.hb:
