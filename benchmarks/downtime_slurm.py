@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -44,6 +45,7 @@ class Cluster:
 
     def __exit__(self, *exc):
         local_slurm.down(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def run(self, scenario: str, mode: str, events: str, tmp: str) -> None:
         submit = tempfile.mkdtemp(dir=tmp)

@@ -23,6 +23,7 @@ import argparse
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -138,6 +139,10 @@ def up(d: str, nodes: int = 3, timeout: float = 60) -> dict:
     if why:
         raise SlurmUnavailable(why)
     os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)  # its munge key and slurm.conf steer root daemons: ours alone
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise SlurmUnavailable(f"{d} is not a private directory of this user (a link, "
+                               f"another user's, or open to others): use a new one")
     for sub in ("state", "log", "munge", *(f"spool/{node_name(k)}" for k in range(1, nodes + 1))):
         os.makedirs(os.path.join(d, sub), mode=0o700, exist_ok=True)
     _ensure_hosts(nodes)

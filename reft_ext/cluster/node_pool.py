@@ -103,7 +103,7 @@ class NodePool(Pool):
         print(f"[inprocess] {msg}", flush=True)
 
     # ---- start -------------------------------------------------------------------
-    def start(self, store, host, port, secret_hex, world_size) -> None:
+    def start(self, store, host, port, secret_hex) -> None:
         self.store, self.secret = store, bytes.fromhex(secret_hex)
         deadline, missing = time.time() + self.register_timeout, list(range(self.n_alloc))
         while missing:

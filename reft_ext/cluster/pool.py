@@ -57,7 +57,7 @@ class Worker:
 class Pool:
     """start(store, port), take(rank), refill(), update(timeout), workers(), close()."""
 
-    def start(self, store, host: str, port: int, secret_hex: str, world_size: int) -> None:
+    def start(self, store, host: str, port: int, secret_hex: str) -> None:
         raise NotImplementedError
 
     def take(self, rank: int) -> Worker:
@@ -128,9 +128,8 @@ class LocalPool(Pool):
         self.all: list[_LocalWorker] = []
         self._next = 0
 
-    def start(self, store, host, port, secret_hex, world_size) -> None:
+    def start(self, store, host, port, secret_hex) -> None:
         self.store, self.addr, self.secret_hex = store, f"{host}:{port}", secret_hex
-        self.world_size = world_size
 
     def spawn(self) -> _LocalWorker:
         c = self.cfg
@@ -148,9 +147,6 @@ class LocalPool(Pool):
         self.all.append(w)
         return w
 
-    def start_spares(self) -> None:
-        while len(self.spares) < self.cfg.spares:
-            self.spares.append(self.spawn())
 
     def take(self, rank: int) -> Worker:
         """A warm spare if one is left, else a new one. The pool is refilled once the
@@ -159,7 +155,8 @@ class LocalPool(Pool):
         return self.spares.pop(0) if self.spares else self.spawn()
 
     def refill(self) -> None:
-        self.start_spares()
+        while len(self.spares) < self.cfg.spares:
+            self.spares.append(self.spawn())
 
     def warm(self, w: Worker) -> bool:
         from reft_ext.cluster.inprocess import key

@@ -165,12 +165,11 @@ class Supervisor:
         self.port = self.store.port
         if on_listen is not None:
             on_listen()
-        self.pool.start(self.store, host, self.port, self._secret_hex, self.cfg.world_size)
+        self.pool.start(self.store, host, self.port, self._secret_hex)
         self._publish()
         for r in range(self.cfg.world_size):
             self._assign(self.pool.take(r), r)
-        if isinstance(self.pool, LocalPool):
-            self.pool.start_spares()
+        self.pool.refill()  # the warm spares, once every rank has its process
         self._thread = threading.Thread(target=self._run, name="reft-supervisor",
                                         daemon=True)
         self._thread.start()

@@ -23,6 +23,7 @@ import pytest
 from tests.harness.oracle import assert_same_checkpoint
 from tests.harness.run import ENV_PATH, REPO, RunResult, parse
 
+from tools import local_slurm
 from tools.launch_nodes import free_port
 
 STANDIN = os.path.join(REPO, "tests", "harness", "slurm_standin")
@@ -67,23 +68,9 @@ class Job:
         return parse(self.output, self.rc)
 
 
-def _job_processes(job_id: str) -> list[int]:
-    """Every process of this host whose environment says it belongs to the job."""
-    mark, pids = f"SLURM_JOB_ID={job_id}".encode(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if mark in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
 def _clean(job_id: str) -> tuple[list[int], list[str]]:
     """Kill what the job left running and remove its shared memory; return both."""
-    left = _job_processes(job_id)
+    left = local_slurm.job_processes(job_id)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

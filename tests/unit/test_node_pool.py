@@ -41,7 +41,7 @@ def agent(tmp_path, monkeypatch):
     pool.say = lambda msg: said.append(msg)
     said: list[str] = []
     try:
-        pool.start(store, "127.0.0.1", store.port, secret, 1)
+        pool.start(store, "127.0.0.1", store.port, secret)
         yield pool, proc, store, said
     finally:
         if proc.poll() is None:
