@@ -41,6 +41,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CPP_SOURCES = ["csrc/bindings.cpp", "csrc/copy_engine.cpp", "csrc/xor_kernels.cpp"]
 GPU_SOURCES = ["csrc/copy_cuda.cu", "csrc/xor_cuda.cu"]
 EXT_NAME = "reft_ext._C"
+# The process groups of an in-process restart: needs torch's headers and links libtorch,
+# so it is its own extension, built for the torch it is installed with (csrc/group_backend.cpp)
+GROUPS_EXT_NAME = "reft_ext._groups"
+GROUPS_SOURCES = ["csrc/group_backend.cpp"]
 
 
 def log(msg: str) -> None:
@@ -257,7 +261,25 @@ def get_ext_modules():
         extra_compile_args=["-O3", "-pthread"],
         extra_link_args=["-pthread"],
     )
-    return [ext]
+    return [ext] + groups_extension()
+
+
+def groups_extension() -> list:
+    """reft_ext._groups, built as torch.utils.cpp_extension would build it (the same
+    flags: torch's bundled pybind11, so its Backend objects pass to and from Python).
+    ``REFT_BUILD_GROUPS=0`` leaves it out (a build of _C alone)."""
+    if os.environ.get("REFT_BUILD_GROUPS") == "0":
+        log(f"{GROUPS_EXT_NAME} off (REFT_BUILD_GROUPS=0)")
+        return []
+    try:
+        from torch.utils.cpp_extension import CppExtension  # noqa: PLC0415
+    except Exception as exc:  # noqa: BLE001
+        log(f"{GROUPS_EXT_NAME} off: torch.utils.cpp_extension not importable ({exc})")
+        return []
+    name = GROUPS_EXT_NAME.rsplit(".", 1)[1]
+    return [CppExtension(GROUPS_EXT_NAME, GROUPS_SOURCES, extra_compile_args=[
+        "-O2", "-std=c++20", f"-DTORCH_EXTENSION_NAME={name}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H"])]
 
 
 def get_cmdclass():
@@ -278,6 +300,14 @@ def get_cmdclass():
                 self._warn(exc)
 
         def build_extension(self, ext):
+            if ext.name == GROUPS_EXT_NAME:
+                try:
+                    super().build_extension(ext)
+                    log(f"built {GROUPS_EXT_NAME} (process groups kept across restarts)")
+                except Exception as exc:  # noqa: BLE001
+                    log(f"WARNING: could not build {GROUPS_EXT_NAME} ({exc}); in-process "
+                        "restarts rebind process-group references instead")
+                return None
             if ext.name != EXT_NAME:
                 return super().build_extension(ext)
             flavour, why = gpu_plan()

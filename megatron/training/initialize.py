@@ -61,6 +61,7 @@ def initialize_distributed(args) -> None:
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         # under the in-process supervisor: this generation's store prefix
         store = inprocess_generation.store_kwargs(timeout) or _elastic_store_kwargs(timeout)
+        backend = inprocess_generation.group_backend(backend)  # reft_gloo: kept across restarts
         torch.distributed.init_process_group(backend=backend, timeout=timeout, **store)
     ws = torch.distributed.get_world_size()
     if ws != args.world_size:
@@ -68,17 +69,18 @@ def initialize_distributed(args) -> None:
                            f"{ws} in the process group")
     # before any megatron-core object exists: bridges for a machine without CUDA
     cpu_compat.apply()
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-        order=rank_order(args),
-        # with NCCL the gloo twins of the groups carry host tensors (REFT's snapshots,
-        # checksums and object collectives); megatron-core's default, stated because
-        # REFT depends on it
-        create_gloo_process_groups=True,
-    )
+    with inprocess_generation.persistent_gloo(mpu):
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            order=rank_order(args),
+            # with NCCL the gloo twins of the groups carry host tensors (REFT's snapshots,
+            # checksums and object collectives); megatron-core's default, stated because
+            # REFT depends on it
+            create_gloo_process_groups=True,
+        )
     inprocess_generation.after_initialize()  # the groups an in-process restart rebinds
 
 

@@ -10,20 +10,23 @@ The generations, the abort and the supervisor are reft_ext's
   the communicators were aborted each by its own means (NCCL: ``ProcessGroupNCCL.abort``
   and a bounded CUDA drain; gloo: socket shutdown; reft_ext/cluster/inprocess.py
   ``plan_abort``); where that abort failed this rank exits instead (a process restart);
-* *rebinding*: the model chunks, the DDP buffers and bucket groups, the optimizer, the
-  p2p communicator... keep the process groups they were built with. Rather than
-  rebuilding them (a new model, a new optimizer, new tensors REFT would have to learn
-  again), every reference to an old group is pointed at the new group made in the same
-  place: megatron-core creates its groups in a fixed order, so the i-th group of
-  generation g and of g + 1 have the same ranks and role. Anything that still holds an
-  old group afterwards (a tuple, a closure) makes the restart fail over to a process
-  restart for this rank, with the reason logged.
+* keeping the model chunks, the DDP buffers and bucket groups, the optimizer, the p2p
+  communicator... (a new model and optimizer would be new tensors REFT must learn again)
+  with the process groups they were built with. With ``reft_ext._groups`` built, the
+  groups themselves persist: each is given the next generation's communicator
+  (reft_ext/cluster/groups.py ``reconfigure``), so whoever holds one (a tuple, a
+  closure, C++) is served. Without it (or for NCCL) the fallback is *rebinding*: every
+  reference to an old group is pointed at the new group made in the same place
+  (megatron-core creates its groups in a fixed order, so the i-th group of generation g
+  and of g + 1 have the same ranks and role); a group still held afterwards (a tuple)
+  makes the restart fail over to a process restart for this rank, with the reason logged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import functools
 import gc
 import os
@@ -36,7 +39,8 @@ from megatron.core import parallel_state as mpu
 from megatron.core.timers import Timers
 
 from megatron.training.inprocess_generation import (all_groups, base_descriptions,
-                                                   base_groups, describe, generation)
+                                                   base_groups, describe, generation,
+                                                   persistent, reconfigure)
 from reft_ext.cluster.inprocess import RestartError
 
 _others: list = []       # the later groups of the failed generation (none may stay held)
@@ -70,11 +74,19 @@ def should_restart(args, exc: BaseException) -> bool:
 
 def teardown() -> list:
     """Leave megatron-core's parallel state and destroy every process group; returns the
-    old groups (for :func:`rebind`)."""
+    old groups (for :func:`rebind`). With persistent groups only the groups made after
+    start-up (the session's, the trace's...) are destroyed: their owners make them anew
+    in the next generation; megatron-core's stay, to be reconfigured."""
     global _others
     old = base_groups()
     old_desc = base_descriptions()
     _others = [g for g in all_groups() if g not in old]  # the session's, the trace's...
+    if persistent():
+        for pg in _others:
+            with contextlib.suppress(Exception):  # a failed generation's group
+                torch.distributed.destroy_process_group(pg)
+        _others = []
+        return []
     try:
         mpu.destroy_model_parallel()
     except Exception:  # noqa: BLE001 - groups of a failed generation may not destroy
@@ -268,8 +280,12 @@ def restart_in_process(trainer, failure: str) -> None:
     t_abort = time.time()
     gen.next_generation(timeout_s=60.0 * args.distributed_timeout_minutes)
     t_gen = time.time()
-    initialize_distributed(args)  # generation g + 1's groups, its abort watcher
-    changed = rebind(old, base_groups(), roots(trainer))
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if persistent():  # the same group objects, generation g + 1's communicators
+        changed, regrouped = 0, reconfigure(timeout)
+    else:  # generation g + 1's groups, then every reference to the old ones rebound
+        initialize_distributed(args)
+        changed, regrouped = rebind(old, base_groups(), roots(trainer)), 0
     del old
     t_rdzv = time.time()
     reft_integration.startup_health_check(args)
@@ -290,7 +306,8 @@ def restart_in_process(trainer, failure: str) -> None:
         # nothing restorable: a survivor cannot re-create a fresh model bit for bit
         raise RestartError("no state to roll back to (no snapshot committed yet, no "
                            "--load): this rank restarts as a new process")
-    check_released(roots(trainer))
+    if not persistent():
+        check_released(roots(trainer))
     gc.collect()  # the failed generation's cycles (exceptions, frames, Work objects)
     trainer.losses = {i: v for i, v in trainer.losses.items() if i <= s.iteration}
     t_end = time.time()
@@ -299,9 +316,11 @@ def restart_in_process(trainer, failure: str) -> None:
     emit("inprocess_restart", f"rank {rank}: restarted in process as generation "
          f"{gen.gen}: iteration {s.iteration} restored in {t_end - t0:.2f} s (" +
          ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in split.items()) +
-         f"); {changed} process-group references rebound", rank=rank,
+         (f"); {regrouped} process groups reconfigured" if persistent() else
+          f"); {changed} process-group references rebound"), rank=rank,
          generation=gen.gen, iteration=s.iteration, seconds=t_end - t0, pid=os.getpid(),
-         rebound=changed, **_resources(), **{f"{k}_s": v for k, v in split.items()})
+         rebound=changed, reconfigured=regrouped, **_resources(),
+         **{f"{k}_s": v for k, v in split.items()})
 
 
 def _resources() -> dict:

@@ -10,11 +10,13 @@ initialize.py and inprocess.py imports the other's importer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-from reft_ext.cluster import inprocess
+from reft_ext.cluster import groups, inprocess
 
 _gen: inprocess.Generation | None = None
+_persistent = False      # this generation's groups are reft_gloo: reconfigured, never remade
 _base_groups: list = []  # this generation's groups as initialize_distributed made them
 _base_desc: list = []    # their (name, ranks, backend): what must match across generations
 
@@ -32,6 +34,56 @@ def store_kwargs(timeout) -> dict:
     if _gen is None:
         _gen = inprocess.Generation(rank, world)
     return dict(store=_gen.pg_store(timeout), rank=rank, world_size=world)
+
+
+def group_backend(backend: str) -> str:
+    """The backend of the process groups: under the supervisor, gloo becomes reft_gloo
+    (groups kept across restarts, reft_ext/cluster/groups.py) where reft_ext._groups is
+    built; elsewhere, and for NCCL, as asked (the restart then rebinds references)."""
+    global _persistent
+    if _gen is None or backend != "gloo":
+        return backend
+    if not groups.register():
+        from reft_ext.report.events import emit
+
+        emit("inprocess_groups", f"rank {_gen.rank}: {groups.why_unavailable()}; "
+             f"restarts rebind process-group references instead", rank=_gen.rank)
+        return backend
+    _persistent = True
+    return groups.BACKEND
+
+
+def persistent() -> bool:
+    """Are this process's start-up groups reconfigured by a restart (not remade)?"""
+    return _persistent
+
+
+@contextlib.contextmanager
+def persistent_gloo(mpu):
+    """megatron-core asks for its gloo twins by name (backend="gloo"): while it makes its
+    groups, its create_group asks for reft_gloo instead, so those persist as well."""
+    if not _persistent:
+        yield
+        return
+    orig = mpu.create_group
+
+    def create_group(*args, backend=None, **kwargs):
+        return orig(*args, backend=groups.backend_for(backend), **kwargs)
+
+    mpu.create_group = create_group
+    try:
+        yield
+    finally:
+        mpu.create_group = orig
+
+
+def reconfigure(timeout) -> int:
+    """A survivor's groups join the current generation: each gets a communicator on this
+    generation's store (the replacements make theirs there); the abort watcher restarts.
+    Returns how many groups."""
+    n = groups.reconfigure(_gen.pg_store(timeout), timeout)
+    _gen.watch()
+    return n
 
 
 def all_groups() -> list:
@@ -55,6 +107,8 @@ def after_initialize() -> None:
     global _base_groups, _base_desc
     _base_groups = all_groups()
     _base_desc = describe(_base_groups)
+    if _persistent:
+        groups.mark_started()
     if _gen is not None:
         _gen.watch()
 

@@ -35,7 +35,7 @@ from megatron.core import parallel_state as mpu
 from megatron.training import optimizer_state
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import emit
-from reft_ext.cluster import shrink
+from reft_ext.cluster import groups, shrink
 from reft_ext.cluster.health import run_health_check
 from reft_ext.cluster.health_config import HealthConfig
 from reft_ext.config import ReftConfig, ReftConfigError
@@ -70,7 +70,7 @@ def host_group_refusal(backend: str) -> str | None:
         cpu = dict(p.split(":", 1) for p in text.split(",") if ":" in p).get("cpu")
     else:
         cpu = text
-    if cpu == "gloo":
+    if cpu in ("gloo", groups.BACKEND):  # reft_gloo: gloo kept across restarts
         return None
     return (f"its backend {backend!r} has {'no CPU backend' if cpu is None else cpu!r} "
             f"for host tensors (gloo needed)")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from reft_ext.cluster.groups import BACKEND as GROUPS_BACKEND
+
 ABORT_TIMEOUT_S = 60.0  # NCCL abort, then the CUDA drain, each at most
 
 
@@ -76,6 +78,7 @@ def plan_abort(groups, cuda_available: bool, nccl_available: bool) -> AbortPlan:
     nccl, gloo, unsafe = [], False, []
     for name, backend in groups:
         parts = {p.rpartition(":")[2].strip() for p in str(backend).lower().split(",")}
+        parts = {"gloo" if p == GROUPS_BACKEND else p for p in parts}  # gloo inside
         if parts - {"gloo", "nccl"}:
             unsafe.append(f"group {name} has backend {backend!r} (only gloo and nccl "
                           f"can be aborted in process)")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from tests.harness.compare import same_as_reference
 from tests.harness.recovery import N
 from tests.harness.run import LAYOUTS, REPO, TINY, torchrun
@@ -54,6 +56,8 @@ def flip_bit_of_element(ckpt: str, fqn_suffix: str, element: int, bit: int = 0) 
     return info.relative_path, idx.offset[0] + element
 
 
+# slow tier (make test's budget): the oracle's compare runs in every recovery test
+@pytest.mark.slow
 def test_compare_catches_one_flipped_bit_in_an_optimizer_moment(tmp_path, reference_runs):
     ref = reference_runs("pp2dp2-zero1", 4, LAYOUT)
     # ("identical": every recovery test's same_state, through compare_paths)

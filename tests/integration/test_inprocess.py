@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 
+from reft_ext.cluster import groups
 from tests.harness.compare import same_state
 from tests.harness.oracle import with_final_checkpoint
 from tests.harness import events as ev
@@ -84,6 +85,8 @@ def test_crash_then_a_failure_during_the_recovery(tmp_path, reference_runs):
         assert [e["generation"] for e in aborts] == [0, 1], aborts
         assert [(e["generation"], e["iteration"]) for e in mine] == [(2, 3)], mine
         assert {e["pid"] for e in aborts + mine} == {first_pids[rank]}
+        if groups.native() is not None:  # the same group objects, new communicators
+            assert all(e["reconfigured"] >= 10 and e["rebound"] == 0 for e in mine), mine
     # rank 2 left generation 0 in process and died inside the recovery of generation 1
     assert run.events_of("inprocess_abort", rank=2, generation=0)
     assert not [e for e in restarts(run) if e["rank"] == 2]

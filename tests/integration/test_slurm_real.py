@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from reft_ext.cluster import groups
 from tests.harness import events as ev
 from tests.harness.oracle import assert_same_checkpoint, assert_same_losses
 from tests.harness.run import ENV_PATH, REPO, RunResult, events_file, parse
@@ -149,6 +150,10 @@ def test_in_process_frozen_rank_then_lost_node(slurm, reference, tmp_path):
     # each survivor restarted in the process it had when its generation failed
     assert restarts[1] == aborts[1] and len(restarts[1]) == 1, (restarts, aborts)
     assert restarts[0] == aborts[0] and len(restarts[0]) == 1, (restarts, aborts)
+    if groups.native() is not None:  # across nodes too: the same groups, reconfigured
+        assert all(e["reconfigured"] > 0 and e["rebound"] == 0
+                   for e in run.events_of("inprocess_restart")), run.events_of(
+                       "inprocess_restart")
     assert "2: [REFT] recovered iteration 6 on rank 1 from ARC replica" in out
     assert "0: [REFT] recovered iteration 6 on rank 0 from own memory" in out
     assert_bit_exact(job, reference)

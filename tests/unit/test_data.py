@@ -297,6 +297,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
+# slow tier (make test's budget): every multi-rank training test shares one cache too
+@pytest.mark.slow
 def test_four_gloo_ranks_share_one_cache(corpus, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
