@@ -116,6 +116,9 @@ class ReftConfig(ReftFlags):
              "host memory without leaving their process; needs tools/launch_nodes.py "
              "--restart in-process, under torchrun it means process) | process (every "
              "worker restarts, torchrun's way)"))
+    stats_interval: int = field(default=1, metadata=dict(flag="", help=(
+        "every how many iterations the [REFT] snapshot line shows the slowest rank's "
+        "times (gathered job-wide then only); the trainer sets it to --log-interval")))
     trace_file: str = field(default="", metadata=dict(
         help="write a Chrome trace (JSON; opens in Perfetto) of every rank's schedule, "
              "bubbles and snapshot chunks to this path"))
@@ -123,6 +126,8 @@ class ReftConfig(ReftFlags):
     def __post_init__(self):
         if self.aor_verify_every < 0:
             raise ReftConfigError("--reft-aor-verify-every: must be >= 0")
+        if self.stats_interval < 1:
+            raise ReftConfigError(f"--log-interval: must be >= 1, got {self.stats_interval}")
         if self.keep < 2:
             raise ReftConfigError(f"--reft-keep: must be >= 2 (one committed snapshot stays "
                                   f"intact while the next is written), got {self.keep}")
@@ -231,6 +236,7 @@ class ReftConfig(ReftFlags):
     @classmethod
     def from_args(cls, args) -> ReftConfig:
         cfg = super().from_args(args)
+        cfg.stats_interval = int(getattr(args, "log_interval", None) or 1)
         save = getattr(args, "save", None)
         if not cfg.flush_dir and save:  # save-on-failure goes next to the checkpoints
             cfg.flush_dir = os.path.join(save, "reft-flush")

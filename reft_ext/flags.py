@@ -80,9 +80,10 @@ def add_flags(parser: argparse.ArgumentParser, cls, title: str, *, prefix: str =
 def flag_values(cls, args, dest_prefix: str = "", *, given_only: bool = False) -> dict:
     """field -> its flag's parsed value; ``given_only``: only the flags that are set (not
     None), so that the others keep the dataclass's defaults."""
+    flagged = [f for f in fields(cls) if flag_name(f) is not None]  # the others: defaults
     if not given_only:
-        return {f.name: getattr(args, dest_prefix + f.name) for f in fields(cls)}
-    return {f.name: getattr(args, dest_prefix + f.name) for f in fields(cls)
+        return {f.name: getattr(args, dest_prefix + f.name) for f in flagged}
+    return {f.name: getattr(args, dest_prefix + f.name) for f in flagged
             if getattr(args, dest_prefix + f.name, None) is not None}
 
 

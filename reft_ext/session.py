@@ -39,6 +39,7 @@ from reft_ext.save.snapshotter import ReftSnapshotter, StateAdapter, reft_print
 from reft_ext.sigterm_guard import SigtermGuard
 from reft_ext.state.identity import refuse_other_runs
 from reft_ext.store.paths import node_dir
+from reft_ext.testing import collectives
 from reft_ext.store.shm import ShmDirError, ensure_private_dir
 
 
@@ -46,6 +47,8 @@ class SessionAdapter(StateAdapter, Protocol):
     """The snapshotter's :class:`StateAdapter` plus what the session itself needs."""
 
     global_batch_size: int   # samples per iteration (a rollback skips whole batches)
+    # optional: the groups the loss-spike verdict is agreed over (default: the whole job)
+    # verdict_groups: list
 
     def identity(self) -> dict: ...  # what makes a state this run's (state/identity.py)
 
@@ -208,6 +211,8 @@ class ReftSession(_Trace, Session):
         self._term = SigtermGuard(self)  # SIGTERM: the snapshot in flight commits first
         # set by a trainer that opens this session after an in-process restart
         self.restarted_in_process = False
+        self._hook_s = 0.0  # the training thread's time inside this iteration's hooks
+        collectives.maybe_install()  # REFT_COUNT_COLLECTIVES=1 only (issue 34's checks)
 
     def _check_shm_dir(self) -> set[str]:
         """Before any segment exists: each rank's failure-domain directory must be this
@@ -342,6 +347,11 @@ class ReftSession(_Trace, Session):
 
     # ---- every iteration -----------------------------------------------------------
     def before_optimizer_step(self, state) -> None:
+        t0 = time.perf_counter()
+        self._before_optimizer_step()
+        self._hook_s += time.perf_counter() - t0
+
+    def _before_optimizer_step(self) -> None:
         self._term.busy = True
         self.snap.before_optimizer_step()  # the snapshot in flight completes first
         self._term.busy = False
@@ -352,6 +362,14 @@ class ReftSession(_Trace, Session):
             self.heartbeat.work()
 
     def after_step(self, state) -> None:
+        t0 = time.perf_counter()
+        self._after_step(state)
+        # REFT's part of this iteration (REFT_COUNT_COLLECTIVES=1: its collectives too)
+        collectives.end_iteration(state.iteration,
+                                  self._hook_s + time.perf_counter() - t0)
+        self._hook_s = 0.0
+
+    def _after_step(self, state) -> None:
         # the iteration is complete: a SIGTERM from here waits for its snapshot's commit
         self._term.stepping = state.iteration % self.cfg.snapshot_every == 0
         now = time.perf_counter()
@@ -386,17 +404,21 @@ class ReftSession(_Trace, Session):
 
     # ---- loss-spike rollback (reft_ext/load/rollback.py) ---------------------------
     def _job_wide(self, report: dict) -> tuple[float | None, float | None]:
-        """(loss, grad norm) as every rank must see them: the loss lives on the last
-        pipeline stage, and a NaN in one rank's gradients may not reach every rank's grad
-        norm (DP replicas clip separately): MAX over the job, non-finite flags beside."""
+        """(loss, grad norm) as every rank must see them: MAX, non-finite flags beside,
+        over the adapter's ``verdict_groups``, the smallest groups that make the verdict
+        the same everywhere (the Megatron adapter: the pipeline group, as the loss lives
+        on the last stage; the data-parallel group where no world-wide grad norm exists,
+        i.e. without the distributed optimizer; none at all for PP 1 with it). An adapter
+        without them: the whole job."""
         vals = []
         for v in (report.get("loss"), report.get("grad_norm")):
             v = None if v is None else float(v)
             finite = v is not None and math.isfinite(v)
             vals += [v if finite else -math.inf, 0.0 if v is None or finite else 1.0]
         t = torch.tensor(vals, dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.adapter.control_group)
+        groups = getattr(self.adapter, "verdict_groups", None)
+        for group in ([self.adapter.control_group] if groups is None else groups):
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
         out = []
         for value, bad in ((t[0].item(), t[1].item()), (t[2].item(), t[3].item())):
             out.append(math.nan if bad else (None if value == -math.inf else value))

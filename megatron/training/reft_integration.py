@@ -49,8 +49,14 @@ from reft_ext.testing import fault_point  # --inject-fault moments (no-op in pro
 # ---- the state adapter -------------------------------------------------------------
 def _all_dp_groups() -> list[list[int]]:
     """Every sharding group of the job (each rank knows the whole layout)."""
+    return _all_groups_like(mpu.get_data_parallel_group())
+
+
+def _all_groups_like(group) -> list[list[int]]:
+    """The ranks of every group of the job of the kind of ``group`` (one collective at
+    start-up: each rank tells its own)."""
     world = torch.distributed.get_world_size()
-    mine = torch.distributed.get_process_group_ranks(mpu.get_data_parallel_group())
+    mine = torch.distributed.get_process_group_ranks(group)
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, sorted(mine))
     groups = []
@@ -99,6 +105,29 @@ def host_dp_group(all_dp_groups: list[list[int]]):
     return group
 
 
+def verdict_groups(args, dp_group) -> list:
+    """The loss-spike/NaN verdict's groups (reft_ext/session.py ``_job_wide``), the
+    smallest that make it the same on every rank: the loss is known on the last pipeline
+    stage only (the same on all of them: averaged over data parallel) -> the pipeline
+    group (a gloo twin: host tensors). The grad norm is the same everywhere where
+    megatron-core reduces it over the whole job (the distributed optimizer's one
+    instance); without it, it is reduced over the model-parallel group only, and a NaN
+    that enters one replica after the gradient all-reduce reaches only that replica ->
+    the data-parallel group as well. Collective: every rank makes every pipeline group."""
+    groups = []
+    if args.pipeline_model_parallel_size > 1:
+        rank = torch.distributed.get_rank()
+        for ranks in _all_groups_like(mpu.get_pipeline_model_parallel_group()):
+            pg = torch.distributed.new_group(ranks=ranks, backend="gloo")
+            if rank in ranks:
+                groups.append(pg)
+    world_norm = args.use_distributed_optimizer and \
+        getattr(args, "num_distributed_optimizer_instances", 1) == 1
+    if not world_norm and torch.distributed.get_world_size(dp_group) > 1:
+        groups.append(dp_group)
+    return groups
+
+
 class MegatronStateAdapter:
     """REFT's view of a TrainingState (reft_ext.session.SessionAdapter): which tensors
     are replicated across the sharding group (model params, and the optimizer state
@@ -115,6 +144,7 @@ class MegatronStateAdapter:
         self.dp_group = host_dp_group(self.all_dp_groups)  # gloo, checked (host tensors)
         self.dp_ranks = sorted(torch.distributed.get_process_group_ranks(self.dp_group))
         self.control_group = torch.distributed.new_group(backend="gloo")
+        self.verdict_groups = verdict_groups(args, self.dp_group)
         # what the HAS scheduler's 1F1B formula needs: (pp, vpp, micro-batches)
         self.pipeline = (args.pipeline_model_parallel_size,
                          args.virtual_pipeline_model_parallel_size or 1, args.num_microbatches)

@@ -307,16 +307,21 @@ class ReftSnapshotter:
         self.signals.set(node_status.COMPLETED, batch.iteration)
         self.last = {"iteration": batch.iteration, "blocked_s": blocked, **batch.by_how,
                      "sums": sums}
+        self.blocked_history.append(blocked)  # this rank's (the summary is rank 0's)
+        # the slowest rank's times: a job-wide MAX, so only on the iterations the log
+        # shows (--log-interval), never a collective of the whole job every iteration
+        slowest = batch.iteration % self.cfg.stats_interval == 0
         stats = torch.tensor([blocked, batch.busy_s], dtype=torch.float64)
-        torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.a.control_group)
-        self.blocked_history.append(stats[0].item())
+        if slowest:
+            torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.a.control_group)
         if self.a.rank == 0:
-            self._report(batch, wait_s, total, stats[0].item(), stats[1].item())
+            self._report(batch, wait_s, total, stats[0].item(), stats[1].item(), slowest)
 
     def _report(self, batch: Batch, wait_s: float | None, total: int, blocked_s: float,
-                copy_s: float) -> None:
-        """The snapshot's one ``[REFT]`` line (and event): the slowest rank's times."""
+                copy_s: float, slowest: bool) -> None:
+        """The snapshot's one ``[REFT]`` line (and event): the slowest rank's times on the
+        logged iterations, rank 0's on the others."""
         r, how, schedule = self.regions, batch.by_how, self.schedule.name
         aor = f", aor {r[Region.AOR][1]}" if self.aor is not None else ""
         tiers = "" if wait_s is None else (
@@ -327,14 +332,15 @@ class ReftSnapshotter:
                    f"{self.a.world_size} ranks (per rank: own {r[Region.OWN][1]}, "
                    f"{self.protection.name} {r[Region.REDUNDANCY][1]}, owned "
                    f"{r[Region.OWNED][1]}{aor}){tiers}; training blocked "
-                   f"{1000 * blocked_s:.1f} ms, copy {1000 * copy_s:.1f} ms (slowest rank), "
+                   f"{1000 * blocked_s:.1f} ms, copy {1000 * copy_s:.1f} ms "
+                   f"({'slowest rank' if slowest else 'rank 0'}), "
                    f"committed {committed_ms:.1f} ms after the step",
                    event="snapshot", iteration=batch.iteration, bytes=total,
                    ranks=self.a.world_size, per_rank={k: n for k, (_, n) in r.items()},
                    protection=self.protection.name,
                    schedule=None if wait_s is None else schedule,
                    tiers=None if wait_s is None else dict(how),
-                   blocked_ms=1000 * blocked_s, copy_ms=1000 * copy_s,
+                   blocked_ms=1000 * blocked_s, copy_ms=1000 * copy_s, slowest=slowest,
                    committed_ms=committed_ms)
 
     def abandon(self) -> None:

@@ -140,6 +140,9 @@ def test_two_lost_members_fall_back_to_persistent(tmp_path, reference_runs):
     same_as_reference(run, ref, 5)
 
 
+# slow tier (make test's budget): tests/unit/test_received.py checks the receiver's
+# verification in the default tier; this is the end-to-end run
+@pytest.mark.slow
 def test_bytes_flipped_in_transit_are_caught_by_the_receiver(tmp_path, reference_runs):
     """Rank 2's node is lost; on the restart, rank 3 (its ARC and AOR holder) sends it
     both slices of their group and its optimizer shard with a byte flipped in each copy sent (its

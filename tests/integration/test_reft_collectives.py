@@ -1,0 +1,44 @@
+"""What REFT adds to an iteration in collectives (issue 34): counted on a real 4-rank job
+(REFT_COUNT_COLLECTIVES=1, reft_ext/testing/collectives.py), every call of REFT's code
+into torch.distributed, with its group and bytes, per rank and iteration."""
+
+from __future__ import annotations
+
+from tests.harness.recovery import reft
+from tests.harness.run import LAYOUTS, TINY, torchrun
+
+ITERS, LOG = 8, 4
+P2P = {"send", "recv", "isend", "irecv"}
+
+
+def test_reft_collectives_per_iteration_and_their_groups():
+    """PP2 x DP2 with the distributed optimizer, arc + aor, the loss-spike check on:
+    in steady state the verdict is agreed over the pipeline group (2 ranks; the grad
+    norm is already job-wide in megatron-core's distributed optimizer), the slowest
+    rank's snapshot times are gathered job-wide only for the snapshots the log shows
+    (--log-interval), and AOR's gradient shard goes to its one holder. The one
+    world-wide collective left per iteration is the snapshot commit."""
+    args = [*TINY, "--train-iters", str(ITERS), *LAYOUTS["pp2dp2-zero1"], *reft("arc,aor"),
+            "--log-interval", str(LOG)]
+    run = torchrun(4, args, env={"REFT_COUNT_COLLECTIVES": "1"}).check()
+    its = {(e["rank"], e["iteration"]): e for e in run.events_of("reft_iteration")}
+    assert sorted(its) == [(r, i) for r in range(4) for i in range(1, ITERS + 1)]
+    for (rank, it), e in its.items():
+        assert e["reft_ms"] > 0, e
+        if it == 1:  # start-up: REFT-load's agreement, AOR's seeding, the watcher
+            continue
+        calls = e["calls"]
+        assert all(c["training_thread"] for c in calls), calls
+        world = sorted({c["where"] for c in calls if c["group_size"] == 4 and
+                        c["op"] not in P2P})
+        # snapshot it - 1 is committed before the step of it; its line is a logged one
+        logged = (it - 1) % LOG == 0
+        assert world == (["commit.py:commit", "snapshotter.py:_finish"] if logged else
+                         ["commit.py:commit"]), (rank, it, calls)
+        verdict = [c for c in calls if c["where"] == "session.py:_job_wide"]
+        assert [(c["op"], c["group_size"]) for c in verdict] == [("all_reduce", 2)], calls
+        aor = [c for c in calls if c["where"] == "transport.py:_send_step"]
+        assert {c["op"] for c in aor} == {"isend", "irecv"} and \
+            all(c["group_size"] == 2 for c in aor), calls
+    # the line says whose times it shows
+    assert "ms (slowest rank)" in run.output and "ms (rank 0)" in run.output
