@@ -113,11 +113,16 @@ def verdict_groups(args, dp_group) -> list:
     megatron-core reduces it over the whole job (the distributed optimizer's one
     instance); without it, it is reduced over the model-parallel group only, and a NaN
     that enters one replica after the gradient all-reduce reaches only that replica ->
-    the data-parallel group as well. Collective: every rank makes every pipeline group."""
+    the data-parallel group as well. Collective where megatron-core's pipeline groups
+    are NCCL: every rank makes every gloo twin."""
     groups = []
-    if args.pipeline_model_parallel_size > 1:
+    pp = mpu.get_pipeline_model_parallel_group()
+    if args.pipeline_model_parallel_size > 1 and \
+            host_group_refusal(torch.distributed.get_backend(pp)) is None:
+        groups.append(pp)  # megatron-core's own carries host tensors (gloo): no twin
+    elif args.pipeline_model_parallel_size > 1:  # NCCL: a gloo twin of every one
         rank = torch.distributed.get_rank()
-        for ranks in _all_groups_like(mpu.get_pipeline_model_parallel_group()):
+        for ranks in _all_groups_like(pp):
             pg = torch.distributed.new_group(ranks=ranks, backend="gloo")
             if rank in ranks:
                 groups.append(pg)
