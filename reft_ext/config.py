@@ -18,6 +18,7 @@ RESTARTS = ("in-process", "process")  # docs/nodes.md
 SCHEDULES = ("has", "end-of-iteration", "host-thread")  # reft_ext/save/schedules.py (torch)
 
 
+AUTO_LOCAL_NODES = 16  # --reft-keep 0 (auto): local commits for jobs of more nodes
 JOB_ID_MAX = 64  # longer ids keep a prefix and a hash of the whole id (_job_id_of)
 
 
@@ -79,10 +80,13 @@ class ReftConfig(ReftFlags):
              "LOCAL_WORLD_SIZE, i.e. one node)"))
     job_id: str = field(default="", metadata=dict(
         help="names the job's shared memory (default: TORCHELASTIC_RUN_ID or SLURM_JOB_ID)"))
-    keep: int = field(default=2, metadata=dict(
-        help="snapshots each rank keeps in host memory, a ring (>= 2: the last committed "
-             "one stays intact while the next is written); more reach further back for a "
-             "loss-spike rollback (--reft-rollback-on); host memory grows with K"))
+    keep: int = field(default=0, metadata=dict(
+        help="snapshots each rank keeps in host memory, a ring; host memory grows with K. "
+             ">= 3: each rank commits its snapshots on its own, nothing job-wide per "
+             "iteration (docs/scale.md: the one-iteration skew between ranks needs the "
+             "third slot); 2: each commit is an all-reduce of the whole job (which "
+             "iteration a failure recovers is then independent of timing); 0 = auto: 3 "
+             "above 16 nodes, else 2; more reach further back for a loss-spike rollback"))
     keep_snapshots: bool = field(default=False, metadata=dict(
         help="leave the snapshots in shared memory when training ends"))
     schedule: str = field(default="has", metadata=dict(
@@ -128,9 +132,10 @@ class ReftConfig(ReftFlags):
             raise ReftConfigError("--reft-aor-verify-every: must be >= 0")
         if self.stats_interval < 1:
             raise ReftConfigError(f"--log-interval: must be >= 1, got {self.stats_interval}")
-        if self.keep < 2:
+        if self.keep not in (0,) and self.keep < 2:  # (0: auto, see resolve_keep)
             raise ReftConfigError(f"--reft-keep: must be >= 2 (one committed snapshot stays "
-                                  f"intact while the next is written), got {self.keep}")
+                                  f"intact while the next is written) or 0 (auto), got "
+                                  f"{self.keep}")
         if self.snapshot_every < 0:
             raise ReftConfigError(f"--reft-snapshot-every: must be >= 0, got "
                                   f"{self.snapshot_every}")
@@ -199,6 +204,23 @@ class ReftConfig(ReftFlags):
             if p in ("arc", "aec"):
                 return p
         return "none"
+
+    def resolve_keep(self, world_size: int) -> int:
+        """--reft-keep 0 (auto) made concrete for a job of ``world_size`` ranks: local
+        commits (3 slots) where a job-wide all-reduce per snapshot costs (more than
+        AUTO_LOCAL_NODES nodes), job-wide ones (2 slots, recovery independent of
+        timing) below."""
+        if not self.keep:
+            nodes = world_size // max(1, self.ranks_per_node)
+            self.keep = 3 if nodes > AUTO_LOCAL_NODES else 2
+        return self.keep
+
+    @property
+    def local_commits(self) -> bool:
+        """Each rank moves its commit pointer alone (no collective): safe with a third
+        slot, since no rank is ever more than one sealed snapshot ahead of another
+        (reft_ext/store/commit.py says why)."""
+        return self.keep >= 3
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node

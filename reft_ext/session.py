@@ -211,7 +211,7 @@ class ReftSession(_Trace, Session):
         self._term = SigtermGuard(self)  # SIGTERM: the snapshot in flight commits first
         # set by a trainer that opens this session after an in-process restart
         self.restarted_in_process = False
-        self._hook_s = 0.0  # the training thread's time inside this iteration's hooks
+        self._hook_s = self._hook_cpu = 0.0  # this iteration's hooks: wall, CPU
         collectives.maybe_install()  # REFT_COUNT_COLLECTIVES=1 only (issue 34's checks)
 
     def _check_shm_dir(self) -> set[str]:
@@ -347,9 +347,10 @@ class ReftSession(_Trace, Session):
 
     # ---- every iteration -----------------------------------------------------------
     def before_optimizer_step(self, state) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self._before_optimizer_step()
         self._hook_s += time.perf_counter() - t0
+        self._hook_cpu += time.thread_time() - c0
 
     def _before_optimizer_step(self) -> None:
         self._term.busy = True
@@ -362,12 +363,15 @@ class ReftSession(_Trace, Session):
             self.heartbeat.work()
 
     def after_step(self, state) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self._after_step(state)
-        # REFT's part of this iteration (REFT_COUNT_COLLECTIVES=1: its collectives too)
+        # REFT's part of this iteration (REFT_COUNT_COLLECTIVES=1: its collectives too);
+        # CPU time beside wall time: on an oversubscribed host the wall time inside a
+        # hook grows with the ranks waiting for a core, the CPU time only with the work
         collectives.end_iteration(state.iteration,
-                                  self._hook_s + time.perf_counter() - t0)
-        self._hook_s = 0.0
+                                  self._hook_s + time.perf_counter() - t0,
+                                  self._hook_cpu + time.thread_time() - c0)
+        self._hook_s = self._hook_cpu = 0.0
 
     def _after_step(self, state) -> None:
         # the iteration is complete: a SIGTERM from here waits for its snapshot's commit
@@ -425,14 +429,19 @@ class ReftSession(_Trace, Session):
         return out[0], out[1]
 
     def rollback(self, state, reason: str) -> None:
-        """Every rank, in process: back to the oldest snapshot of the ring, AOR replicas
-        re-synchronized, the data position moved past the spiking batch (and on to
-        --reft-skip-batches batches from the restored position, if that is further)."""
+        """Every rank, in process: back to the oldest snapshot of the ring (not counting
+        the slot local commits add), AOR replicas re-synchronized, the data position
+        moved past the spiking batch (and on to --reft-skip-batches batches from the
+        restored position, if that is further)."""
         # the data position after the spiking iteration: the end of the batch that spiked
         spike, spike_end = state.iteration, state.consumed_train_samples
         t0 = time.perf_counter()
-        mine = [int(m["iteration"]) for m in self.snap.store.manifests().values()]
-        target = torch.tensor([min(mine) if mine else -1], dtype=torch.int64)
+        mine = sorted(int(m["iteration"]) for m in self.snap.store.manifests().values())
+        # local commits keep one slot more for their one-iteration skew
+        # (store/commit.py): it does not reach further back, --reft-keep 3 reaches as far
+        # as 2 did with job-wide commits
+        mine = mine[-(self.cfg.keep - self.cfg.local_commits):]
+        target = torch.tensor([mine[0] if mine else -1], dtype=torch.int64)
         torch.distributed.all_reduce(target, op=torch.distributed.ReduceOp.MAX,
                                      group=self.adapter.control_group)
         target = int(target.item())

@@ -17,6 +17,7 @@ class TrainLogger:
         self.args, self.state = args, state
         self.t_sum, self.n, self.loss_sum, self.loss_n = 0.0, 0, 0.0, 0
         self.skipped = 0
+        self.zeropp = None  # ZeroPPComm (--zero-*): its bytes on the wire per step
         self.writer = None
         if args.tensorboard_dir and is_last_rank():
             try:
@@ -62,6 +63,10 @@ class TrainLogger:
             line += f"grad norm: {grad_norm:.3f} | "
         line += (f"number of skipped iterations: {self.skipped:3d} | "
                  f"number of nan iterations: {s.nan_iters:3d} |")
+        if self.zeropp is not None:
+            from megatron.training.zeropp_integration import bytes_text
+
+            line += bytes_text(self.zeropp, self.n)
         print_rank_last(line)
         if self.writer is not None:
             self.writer.add_scalar("iteration-time-ms", ms, s.iteration)

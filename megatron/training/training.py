@@ -132,6 +132,10 @@ class Trainer:
             model = llama_model.build_model(args, self.config)
             optimizer = llama_model.build_optimizer(args, model)
         scheduler = llama_model.build_scheduler(args, optimizer)
+        from megatron.training import zeropp_integration
+
+        # --zero-quantized-*: megatron-core's ZeRO-1 all-gather / reduce-scatter replaced
+        self.zeropp = zeropp_integration.install(args)
         cfg = self.config
         cfg.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
@@ -153,6 +157,7 @@ class Trainer:
               f"parameters on this rank: {n_params}", flush=True)
         self.marks.append(("model+optimizer", time.time()))
         self.logger = TrainLogger(args, self.state)
+        self.logger.zeropp = self.zeropp
         # iteration -> loss as float.hex, kept only for --log-loss-history (the tests'
         # record of every iteration on every rank that computes the loss)
         self.losses: dict[int, str] = {}

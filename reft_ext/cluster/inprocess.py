@@ -19,7 +19,7 @@ dies, hangs or sees a collective fail, ``abort/<g>`` is set in the supervisor's 
    from a bug of its own), tears its groups down and reports ``ready/<g>/<rank>``;
 3. the supervisor gives the dead ranks' places to replacements (warm spares when it has
    them) and publishes ``gen = g + 1``; every rank of g + 1 rendezvous again and rolls
-   back to the newest committed snapshot.
+   back to the snapshot every rank has committed.
 
 A rank that cannot restart in place (a bug, a state it cannot rebind) just exits: the
 supervisor replaces it like a dead one, so the worst case is today's process restart.

@@ -8,7 +8,7 @@ then treats them exactly as host memory, so the same checksum verification (a to
 corrupt file is never loaded), the same job-wide planning (newest iteration every sharding
 group can rebuild wins) and the same comparison with ``--load`` apply. A slot is committed
 here only where the flushed commit pointer names it: without one, the imported slots stay
-uncommitted, as in memory after a torn pointer (the job-wide newest commit decides).
+uncommitted, as in memory after a torn pointer (the other ranks' commits decide).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def torn_flush(flush_dir: str, rank: int) -> bool:
     """Was this rank's last flush cut short (its watcher killed midway, the marker that
     reft_ext/cluster/watcher.py removes after the last file still there)? Then none of
     its flushed files is imported: they may mix two flushes, or lack the commit pointer
-    that says which of them was committed job-wide. Reported once."""
+    that says which of them was committed. Reported once."""
     path = os.path.join(flush_dir, f"rank{rank}.flushing")
     if not os.path.exists(path):
         return False
@@ -113,7 +113,7 @@ def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | N
             f.readinto(memoryview(dst.numpy()))
         store.finish(slot, man)
     # the commit pointer the node had (the watcher copies it) is the only proof that a
-    # flushed slot was committed job-wide: without it none is (finished is not committed)
+    # flushed slot was committed: without it none is (finished is not committed)
     pointer, why = _flushed_pointer(flush_dir, store.rank, flushed)
     path = os.path.join(flush_dir, f"rank{store.rank}.committed")
     if pointer is not None:

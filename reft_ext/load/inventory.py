@@ -83,7 +83,7 @@ def newest_first(manifests: dict[int, dict]) -> list[tuple[int, dict]]:
 
 def fuse_slot(manifests: dict[int, dict], max_iteration: int | None) -> int | None:
     """The slot round 1 reads straight into the model: the newest not after
-    ``max_iteration`` (a rollback's target, or the job-wide newest commit)."""
+    ``max_iteration`` (a rollback's target, or the commit every rank holds)."""
     return next((slot for slot, m in newest_first(manifests)
                  if max_iteration is None or int(m["iteration"]) <= max_iteration), None)
 

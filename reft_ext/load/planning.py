@@ -180,7 +180,7 @@ def choose_iteration(candidates: Iterable[int], plan_one: Callable[[int], T],
 def plan_recovery(inventories: list, job: JobFacts, persistent: int | None,
                   max_iteration: int | None = None) -> RecoveryPlan:
     """The job's plan, or a RecoveryError. ``max_iteration``: nothing newer is a
-    candidate (the job-wide newest commit, or a rollback's target)."""
+    candidate (the commit every rank holds, or a rollback's target)."""
     inventories = as_inventories(inventories)
     candidates = {it for inv in inventories for it in inv
                   if max_iteration is None or it <= max_iteration}

@@ -202,25 +202,35 @@ def recover(s, persistent: int | None,
     torch.distributed.barrier(group=v.control_group)
     t0 = time.perf_counter()
     manifests = v.store.manifests()  # read once: slot -> manifest
-    # only committed iterations are candidates. A commit anywhere means every rank had
-    # finished that snapshot (the commit follows a job-wide all-reduce); one finished on
-    # some ranks but never committed (a kill inside the snapshot or the commit) is not,
-    # even where the others' redundancy could rebuild it: the outcome of a kill must not
-    # depend on how far the other ranks got. Pointers may differ: a kill inside the
-    # commit (after its all-reduce) leaves some moved to i and others at i-1, and i is
-    # then sealed on every rank (the all-reduce returned): the newest is the right one
+    # only committed iterations are candidates: the outcome of a kill must not depend on
+    # how far the other ranks got, so one sealed on some ranks and not committed is not,
+    # even where the others' redundancy could rebuild it. Pointers may differ by one
+    # iteration (store/commit.py). Local commits: a rank may have sealed i while another
+    # still points at i-1 (it lags, or it died inside the commit); every rank keeps i-1
+    # in its ring until every rank has sealed i, so the oldest pointer is the one every
+    # rank holds; no live rank lags by two, so an older pointer is stale (a flushed copy
+    # from an earlier failure, reft_ext/load/flushed.py) and not waited for. Job-wide:
+    # a kill inside the commit (after its all-reduce) leaves some pointers at i and
+    # others at i-1, i is then sealed on every rank, and a rank at i may already have
+    # overwritten i-1: the newest is the one every rank holds
     c = v.store.committed()
     mine_c = int(c["iteration"]) if c else -1
     pointers = torch.tensor([mine_c, -(mine_c if c else _NO_POINTER)], dtype=torch.int64)
     torch.distributed.all_reduce(pointers, op=torch.distributed.ReduceOp.MAX,
                                  group=v.control_group)
-    committed, oldest = int(pointers[0].item()), -int(pointers[1].item())
-    if v.rank == 0 and oldest != _NO_POINTER and oldest < committed:
+    newest, oldest = int(pointers[0].item()), -int(pointers[1].item())
+    committed = newest if not v.local_commits or oldest == _NO_POINTER else \
+        max(oldest, newest - 1)
+    if v.rank == 0 and oldest != _NO_POINTER and oldest < newest:
+        why = (f"{committed} is held by every rank (commits are local: no rank "
+               f"overwrites it before every rank has sealed {committed + 1})"
+               if v.local_commits else
+               f"the newest, {committed}, was committed job-wide (sealed on every rank "
+               f"before any pointer moved)")
         reft_print(f"commit pointers differ across ranks (iterations {oldest} to "
-                   f"{committed}, e.g. a failure inside a commit): the newest, "
-                   f"{committed}, was committed job-wide (sealed on every rank before "
-                   f"any pointer moved)",
-                   event="commit_pointers_differ", oldest=oldest, newest=committed)
+                   f"{newest}: a rank one snapshot behind, or a failure inside a commit): "
+                   f"{why}", event="commit_pointers_differ", oldest=oldest, newest=newest,
+                   chosen=committed)
     max_iteration = committed if max_iteration is None else min(max_iteration, committed)
     plan, inventories = _agree(v, manifests, persistent, max_iteration, fused)
     t_verify = time.perf_counter()

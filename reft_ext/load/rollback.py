@@ -14,7 +14,9 @@ a snapshot in memory every iteration it takes one REFT-load (milliseconds) in pr
   such as the grad norm early in training, from firing on noise).
 * Target: the oldest of the ``--reft-keep`` snapshots in the ring, i.e. up to
   (K-1) x ``--reft-snapshot-every`` iterations before the spike: the update that caused a
-  loss spike happened one step before the spike shows.
+  loss spike happened one step before the spike shows. With local commits (K >= 3) the
+  slot they add for their one-iteration skew is not counted (K = 3 reaches as far back
+  as 2 did with job-wide commits).
 * Skip (``ReftSession.rollback``): back at iteration R after a spike at S, the data
   position moves past the batches of R+1..S, the spiking one always included (trained
   on again, a bad batch spikes again), or ``--reft-skip-batches`` batches from R's

@@ -39,6 +39,7 @@ class SnapshotView:
     job_id: str
     shm_dir: str
     ranks_per_node: int = 1        # consecutive ranks per failure domain (the placement)
+    local_commits: bool = True     # commit pointers moved without a collective (--reft-keep >= 3)
 
     @classmethod
     def of(cls, s) -> "SnapshotView":
@@ -51,7 +52,7 @@ class SnapshotView:
                    nbytes=s.nbytes, store=s.store,
                    aor_owner=s.aor.owner if s.aor is not None else None,
                    set_meta=a.set_meta, job_id=s.cfg.job_id, shm_dir=s.cfg.shm_dir,
-                   ranks_per_node=s.cfg.ranks_per_node)
+                   ranks_per_node=s.cfg.ranks_per_node, local_commits=s.cfg.local_commits)
 
     @property
     def group_index(self) -> int:

@@ -15,11 +15,13 @@ from reft_ext.plan.hardware import CostConfig, HardwareConfig, estimate, measure
 from reft_ext.plan.model import ModelConfig, ParallelConfig
 from reft_ext.plan.planner import Plan, SnapshotConfig
 from reft_ext.plan.reliability import JobReliability, ReliabilityConfig
+from reft_ext.plan.scale import ScaleConfig, at_scale, paper_checks, paper_table, scale_table
 from reft_ext.plan.state import group_placement
 
 SECTIONS = ((ModelConfig, "model"), (ParallelConfig, "parallelism"),
             (HardwareConfig, "hardware"), (SnapshotConfig, "REFT"),
-            (ReliabilityConfig, "reliability model"), (CostConfig, "training cost"))
+            (ReliabilityConfig, "reliability model"), (CostConfig, "training cost"),
+            (ScaleConfig, "REFT at scale (docs/scale.md)"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--measure", action="store_true",
                    help="measure this CPU now (--hardware cpu with measured figures)")
     o.add_argument("--json", action="store_true", help="print one JSON document")
+    o.add_argument("--paper-check", action="store_true",
+                   help="plan the paper's set-ups and compare with its reported figures")
     o.add_argument("--plot", metavar="PNG", help="draw survival curves and goodput")
     return p
 
@@ -47,11 +51,15 @@ class PlanReport:
     plan: Plan | None
     reliability: JobReliability | None
     cost: dict | None
+    scale: tuple | None = None  # (ScaleConfig, rows): REFT at the --world-sizes
 
     def to_dict(self) -> dict:
         if self.plan is None:
             return {"cost": self.cost}
-        return to_dict(self.plan, self.reliability, self.cost)
+        out = to_dict(self.plan, self.reliability, self.cost)
+        if self.scale:
+            out["scale"] = self.scale[1]
+        return out
 
     def render(self) -> str:
         if self.plan is None:
@@ -60,6 +68,8 @@ class PlanReport:
                  host_table(self.plan), reliability_table(self.reliability)]
         if self.cost:
             parts.append(cost_text(self.cost))
+        if self.scale:
+            parts.append(scale_table(self.plan, *self.scale))
         return "\n\n".join(parts)
 
 
@@ -71,16 +81,16 @@ def _configs(args):
     cost = from_args(CostConfig, args)
     model_given = args.model_size or args.num_layers
     if not model_given and cost.train_tokens and cost.num_parameters:
-        return None, None, hw, None, None, cost
+        return None, None, hw, None, None, cost, None
     model = from_args(ModelConfig, args)
     return (model, from_args(ParallelConfig, args), hw, from_args(SnapshotConfig, args),
-            from_args(ReliabilityConfig, args), cost)
+            from_args(ReliabilityConfig, args), cost, from_args(ScaleConfig, args))
 
 
 def plan(argv: list[str] | None = None) -> PlanReport:
     """Plan from flags (as on the command line); raises PlanConfigError on bad input."""
     args = build_parser().parse_args(argv)
-    model, par, hw, snap, rel_cfg, cost_cfg = _configs(args)
+    model, par, hw, snap, rel_cfg, cost_cfg, scale_cfg = _configs(args)
     if model is None:  # cost only: --train-tokens and --num-parameters, no model
         return PlanReport(None, None, estimate(cost_cfg, cost_cfg.num_parameters,
                                                cost_cfg.num_gpus or 1, hw.device_flops,
@@ -89,7 +99,9 @@ def plan(argv: list[str] | None = None) -> PlanReport:
     rel = JobReliability(p, rel_cfg)
     cost = estimate(cost_cfg, model.num_parameters(), par.world_size, hw.device_flops,
                     hw.mfu, rel.goodput) if cost_cfg.train_tokens else None
-    report = PlanReport(p, rel, cost)
+    scale = (scale_cfg, [at_scale(p, scale_cfg, w) for w in scale_cfg.sizes]) \
+        if scale_cfg.sizes else None
+    report = PlanReport(p, rel, cost, scale)
     if args.plot:
         plot(rel, args.plot, title=report.render().split("\n")[1])
     return report
@@ -98,6 +110,8 @@ def plan(argv: list[str] | None = None) -> PlanReport:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if "--paper-check" in argv:
+            return paper_check("--json" in argv)
         report = plan(argv)
     except PlanConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -106,6 +120,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report.to_dict(), indent=1, default=_jsonable))
     else:
         print(report.render())
+    return 0
+
+
+def paper_check(as_json: bool) -> int:
+    """Each of the paper's set-ups planned at its own size, beside the figure it reports."""
+    results = []
+    for c in paper_checks():
+        r = plan(c["argv"])
+        row = at_scale(r.plan, from_args(ScaleConfig, build_parser().parse_args(c["argv"])),
+                       r.plan.par.world_size)
+        results.append(dict(c, planner=row[c["key"]], detail=row))
+    print(json.dumps(results, indent=1, default=_jsonable) if as_json else
+          paper_table(results))
     return 0
 
 
@@ -218,7 +245,8 @@ def stage_tables(plan: Plan) -> str:
 def host_table(plan: Plan) -> str:
     rows = [[s, fmt_bytes(v["bytes"]), fmt_bytes(v["state_bytes"]), f"{v['ratio']:.2f}x",
              "yes" if v["fits"] else "NO"] for s, v in plan.host_memory.items()]
-    return "Host memory per node (largest node; 2 slots per rank):\n\n" + table(
+    keep = plan.snap.keep_for(plan.par.nodes)
+    return f"Host memory per node (largest node; {keep} slots per rank):\n\n" + table(
         ["scheme", "snapshots", "model+optimizer on node", "ratio", "fits"], rows)
 
 

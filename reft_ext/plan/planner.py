@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reft_ext.save.bubbles import bubble_time, iteration_time, snapshot_time, tier_split
-from reft_ext.config import ReftConfig, ReftConfigError
+from reft_ext.config import AUTO_LOCAL_NODES, ReftConfig, ReftConfigError
 from reft_ext.plan.common import PlanConfigError, fail, positive
 from reft_ext.plan.common import flag_field as _f
 from reft_ext.plan.hardware import HardwareConfig
@@ -33,13 +33,16 @@ class SnapshotConfig:
     protect: str = _f("arc", "protection to plan for: none, arc, aec, each combinable with "
                              "aor (e.g. arc,aor)", "--reft-protect")
     snapshot_every: int = _f(1, "snapshot every N iterations", "--reft-snapshot-every")
+    keep: int = _f(0, "snapshots per rank in host memory (>= 3: commits on each rank "
+                      "alone; 2: an all-reduce of the whole job per snapshot; 0: auto, 3 "
+                      "above 16 nodes)", "--reft-keep")
     copy_interference: float = _f(0.05, "slow-down of compute while a tier-2 copy runs "
                                         "beside it, as a fraction of the copy's duration")
 
     def __post_init__(self):
         try:
             self.reft = ReftConfig(snapshot_every=self.snapshot_every, protect=self.protect,
-                                   ranks_per_node=1, job_id="plan")
+                                   ranks_per_node=1, job_id="plan", keep=self.keep)
         except ReftConfigError as exc:
             raise PlanConfigError(str(exc)) from None
         self.protect = self.reft.protect
@@ -50,6 +53,12 @@ class SnapshotConfig:
     @property
     def aor(self) -> bool:
         return "aor" in self.protect.split(",")
+
+    def keep_for(self, nodes: int) -> int:
+        """--reft-keep for a job of ``nodes`` nodes (0: the trainer's auto rule)."""
+        if self.keep:
+            return self.keep
+        return 3 if nodes > AUTO_LOCAL_NODES else 2
 
 
 def schemes(par: ParallelConfig) -> list[str]:
@@ -66,14 +75,15 @@ def aor_replica_bytes(snap: RankSnapshot) -> int:
     return 12 * snap.param_shard_numel
 
 
-def host_bytes(snap: RankSnapshot, aor: bool) -> int:
-    """Host memory of one rank: two slots (reft_ext/save/snapshotter.py ``_check_memory``); with AOR each
-    slot also holds a copy of the replica, which lives on the host as well, next to a
-    receive buffer (peer's fp32 gradient shard) and a send buffer (its own)."""
+def host_bytes(snap: RankSnapshot, aor: bool, keep: int = 3) -> int:
+    """Host memory of one rank: ``keep`` slots (reft_ext/save/snapshotter.py
+    ``_check_memory``); with AOR each slot also holds a copy of the replica, which lives
+    on the host as well, next to a receive buffer (peer's fp32 gradient shard) and a send
+    buffer (its own)."""
     if not aor:
-        return 2 * snap.slot_bytes
+        return keep * snap.slot_bytes
     replica = aor_replica_bytes(snap)
-    return 2 * (snap.slot_bytes + replica) + replica + 2 * 4 * snap.param_shard_numel
+    return keep * (snap.slot_bytes + replica) + replica + 2 * 4 * snap.param_shard_numel
 
 
 @dataclass
@@ -166,7 +176,7 @@ class Plan:
             for r in self.ranks_of_node(node):
                 _, dp, pp = self.par.coords(r)
                 s = self.snapshot_of(pp, dp, red)
-                mem += host_bytes(s, aor)
+                mem += host_bytes(s, aor, self.snap.keep_for(self.par.nodes))
                 state += s.state_bytes
             worst = max(worst, (mem, state))
         return {"bytes": worst[0], "state_bytes": worst[1],

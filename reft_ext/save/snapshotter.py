@@ -1,13 +1,13 @@
-"""REFT-save: per-iteration sharded snapshots into host memory, protected, committed
-job-wide. The trainer supplies a :class:`StateAdapter`; this module never imports the
+"""REFT-save: per-iteration sharded snapshots into host memory, protected, committed.
+The trainer supplies a :class:`StateAdapter`; this module never imports the
 training loop.
 
 Data flow of one snapshot (reft_ext/save/snapshotter.py ties the pieces together):
 state tensors (reft_ext/state/layout.py) -> units of one 4 MiB chunk each, filled by a
 copy (reft_ext/copy/engine.py) or a protection encode (reft_ext/protect/schemes.py) into
 a slot of the store (reft_ext/store/slots.py), hashed as they land -> run when the
-schedule says (reft_ext/save/schedules.py, tiers.py) -> sealed and committed job-wide
-(reft_ext/store/commit.py).
+schedule says (reft_ext/save/schedules.py, tiers.py) -> sealed and committed
+(reft_ext/store/commit.py: on each rank alone, or job-wide with --reft-keep 2).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class ReftSnapshotter:
     def __init__(self, cfg: ReftConfig, adapter: StateAdapter,
                  events: PipelineEvents | None = None):
         self.cfg, self.a = cfg, adapter
+        cfg.resolve_keep(adapter.world_size)  # --reft-keep 0: by the job's size
         check_placement(cfg, adapter.world_size, adapter.all_dp_groups)
         self.D = len(adapter.dp_ranks)
         self.member = adapter.dp_ranks.index(adapter.rank)
@@ -104,6 +105,7 @@ class ReftSnapshotter:
         self.regions = snapshot_regions(self.layout, self.protection, aor_bytes)
         self.nbytes = sum(n for _, n in self.regions.values())
         self.aor_checks = [0, 0]  # verifications, mismatches
+        self.job_nbytes = self.nbytes * adapter.world_size  # summed at start()
         # the run's identity in every manifest: REFT-load never takes another run's state
         ident = getattr(adapter, "identity", None)
         self.identity = stamp(ident()) if ident is not None else None
@@ -114,7 +116,7 @@ class ReftSnapshotter:
                          "replica_of": self.protection.replica_of(self.member),
                          "layout": self.layout.signature(), "nbytes": self.nbytes},
             self.regions, adapter.control_group, self.identity,
-            getattr(adapter, "run_id", None), self.aor)
+            getattr(adapter, "run_id", None), self.aor, local=cfg.local_commits)
         # snapshot units: one native thread (a unit is one 4 MiB chunk), CPU sources only
         tensors = self.layout.replicated.tensors + self.layout.owned.tensors
         cpu = all(t.device.type == "cpu" for t in tensors)
@@ -163,7 +165,12 @@ class ReftSnapshotter:
 
     def start(self) -> None:
         """Before the first step (after any recovery): holders get their owners' shards
-        (a holder whose restored snapshot already has its owner's keeps it)."""
+        (a holder whose restored snapshot already has its owner's keeps it). The job's
+        snapshot bytes (the snapshot line's figure) are summed once here, at start-up,
+        not at every commit."""
+        total = torch.tensor([self.nbytes], dtype=torch.int64)
+        torch.distributed.all_reduce(total, group=self.a.control_group)
+        self.job_nbytes = int(total.item())
         if self.aor is not None:
             t0 = time.perf_counter()
             seed = self.aor_seed()
@@ -297,13 +304,13 @@ class ReftSnapshotter:
         return run
 
     def _finish(self, wait_s: float | None) -> None:
-        """Seal the snapshot in flight, commit it job-wide, say so (rank 0)."""
+        """Seal the snapshot in flight, commit it, say so (rank 0)."""
         batch, self.pending = self.pending, None
         sums = self.committer.seal(batch.slot, batch.iteration, batch.digests, batch.meta)
         self.bandwidth.record(self.nbytes, batch.busy_s)  # bytes/s of the copy + hash
         blocked = batch.busy_s if wait_s is None else wait_s
         with self.events.span("snapshot-commit", "snapshot", iteration=batch.iteration):
-            total = self.committer.commit(batch.slot, batch.iteration, self.nbytes)
+            self.committer.commit(batch.slot, batch.iteration)
         self.signals.set(node_status.COMPLETED, batch.iteration)
         self.last = {"iteration": batch.iteration, "blocked_s": blocked, **batch.by_how,
                      "sums": sums}
@@ -316,7 +323,8 @@ class ReftSnapshotter:
             torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX,
                                          group=self.a.control_group)
         if self.a.rank == 0:
-            self._report(batch, wait_s, total, stats[0].item(), stats[1].item(), slowest)
+            self._report(batch, wait_s, self.job_nbytes, stats[0].item(), stats[1].item(),
+                         slowest)
 
     def _report(self, batch: Batch, wait_s: float | None, total: int, blocked_s: float,
                 copy_s: float, slowest: bool) -> None:

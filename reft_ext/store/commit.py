@@ -1,14 +1,31 @@
 """How a written slot becomes a restorable snapshot: its manifest is sealed on this rank,
-then the whole job commits it together.
+then its commit pointer moves.
 
 1. :meth:`Committer.seal`: the regions' checksums (combined from the chunk digests the
    snapshot units computed while copying) and the manifest (what REFT-load restores
    besides the bytes: layout, protection, metadata, identity, AOR owner) are written
    into the slot, atomically (reft_ext/store/slots.py ``finish``). The slot is complete
    on this rank.
-2. :meth:`Committer.commit`: an all-reduce over the job; it returns only when every rank
-   has sealed this iteration, and only then does each rank move its commit pointer. A
-   crash before that leaves the previous commit in place on every rank.
+2. :meth:`Committer.commit`: the commit pointer moves to it. Two ways:
+
+   * **local** (``--reft-keep`` >= 3; automatic above 16 nodes): no collective.
+     Snapshot k is sealed in ``before_optimizer_step(k+1)``, and before any rank's
+     optimizer step of k+1 it has heard, through messages each sent after its sender's
+     step k, from every rank: the pipeline's forward and backward p2p cross every
+     stage, the tensor-parallel all-reduces every rank of a stage, the gradient
+     reduction every data-parallel replica. So when a rank seals k, every rank has
+     sealed k-1; pointers differ by at most one iteration, and a rank that begins
+     snapshot k+1 (after its step k+1) overwrites k-2, which no rank needs: REFT-load
+     takes the *oldest* pointer, which every rank still holds (the ring keeps k-1 and
+     k). The argument needs the training's own communication to connect every rank
+     within an iteration: true of every Megatron layout (a data-parallel-only job
+     through its gradient reduction).
+   * **job-wide** (``--reft-keep 2``; automatic up to 16 nodes, where it costs little
+     and keeps which iteration a failure recovers independent of timing): an
+     all-reduce over the job; it returns only when every rank has sealed this
+     iteration, and only then does each rank move its pointer. REFT-load takes the
+     newest pointer (every rank has sealed it). One collective of the whole job per
+     snapshot: what local commits remove (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -37,12 +54,14 @@ class Committer:
     """One rank's manifests and commits. ``header``: the manifest fields that are the
     same for every snapshot of this run (rank, member, group, protection, layout,
     nbytes); ``identity``: the run's stamp (reft_ext/state/identity.py), completed by
-    ``run_id()`` at every snapshot; ``aor``: the rank's AOR transport, if any."""
+    ``run_id()`` at every snapshot; ``aor``: the rank's AOR transport, if any; ``local``:
+    commits without a collective (``group`` is then unused)."""
 
     def __init__(self, store: SnapshotStore, header: dict, regions: dict, group,
                  identity: dict | None = None, run_id: Callable[[], str] | None = None,
-                 aor=None, algorithm: str = DEFAULT):
+                 aor=None, algorithm: str = DEFAULT, local: bool = True):
         self.store, self.header, self.regions, self.group = store, header, regions, group
+        self.local = local
         self.identity, self.run_id, self.aor = identity, run_id, aor
         self.algorithm = algorithm
 
@@ -62,14 +81,14 @@ class Committer:
         self.store.finish(slot, self.manifest(iteration, sums, meta))
         return sums
 
-    def commit(self, slot: int, iteration: int, nbytes: int) -> int:
-        """Collective: the new snapshot replaces the old one only when it is complete on
-        every rank of the job (the all-reduce returns only then). Returns the job's
-        snapshot bytes."""
-        total = torch.tensor([nbytes], dtype=torch.int64)
-        torch.distributed.all_reduce(total, group=self.group)
-        # every rank has sealed the iteration; a kill here leaves some commit pointers
-        # moved and others not (REFT-load takes the job-wide newest: every rank holds it)
+    def commit(self, slot: int, iteration: int) -> None:
+        """The new snapshot becomes this rank's commit. Job-wide commits first wait for
+        every rank of the job to have sealed it (the all-reduce returns only then)."""
+        if not self.local:
+            torch.distributed.all_reduce(torch.zeros(1, dtype=torch.int64), group=self.group)
+        # (tests) sealed, pointer not moved. Job-wide: every rank has sealed the
+        # iteration, some pointers moved and others not (REFT-load takes the newest:
+        # every rank holds it). Local: this rank's pointer lags (REFT-load takes the
+        # oldest: every rank holds it)
         fault_point("commit", iteration=iteration, slot=slot)
         self.store.commit(slot, iteration)
-        return int(total.item())

@@ -1,11 +1,11 @@
 """Snapshot store of one rank inside its failure domain's shared memory.
 
-A ring of K slots per rank (``--reft-keep K``, default 2), each a data segment plus a
+A ring of K slots per rank (``--reft-keep K``, 2 or 3 by the job's size), each a data segment plus a
 JSON manifest:
 
     /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.bin    own slice | redundancy | owned
     /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.json   iteration, layout, CRCs, metadata
-    /dev/shm/reft-<job>-node<n>/rank<r>.committed      the slot of the last job-wide commit
+    /dev/shm/reft-<job>-node<n>/rank<r>.committed      the slot of the last commit
 
 A new snapshot always goes to an empty slot or the oldest one, never the committed one,
 and its manifest is deleted before the first byte is written and renamed into place
@@ -19,7 +19,7 @@ are candidates: each file carries the SHA-256 of its own content (``self_sha256`
 the canonical JSON of the rest). A file that fails it, or does not parse, is reported once
 in a ``[REFT]`` line naming it: a manifest is then treated as torn (its slot unusable on
 this rank, so the peers' redundancy rebuilds it or the job falls back), a commit pointer
-as absent (the job-wide newest commit decides). A file without the field is judged the
+as absent (the other ranks' commits decide). A file without the field is judged the
 same way: every writer seals, so it is torn or not REFT's.
 """
 
@@ -158,8 +158,8 @@ class SnapshotStore:
     # ---- writing --------------------------------------------------------------
     def committed(self) -> dict | None:
         return self._read(self._path(f"rank{self.rank}.committed"),
-                          "commit pointer ignored on this rank (the newest commit of the "
-                          "other ranks decides)")
+                          "commit pointer ignored on this rank (the other ranks' "
+                          "commits decide)")
 
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """Open a slot for writing, never the committed one: an empty (or torn) slot
@@ -290,7 +290,8 @@ class SnapshotStore:
         write_atomic(self._path(self._name(slot, "json")), sealed(manifest), durable=True)
 
     def commit(self, slot: int, iteration: int) -> None:
-        """Every rank finished this iteration's snapshot: it is the one to keep."""
+        """This iteration's snapshot is committed on this rank: it is the one to keep
+        (reft_ext/store/commit.py says when that is)."""
         write_atomic(self._path(f"rank{self.rank}.committed"),
                      sealed({"slot": slot, "iteration": iteration}), durable=True)
 

@@ -129,12 +129,13 @@ def maybe_install() -> CollectiveCounter | None:
     return _counter
 
 
-def end_iteration(iteration: int, reft_s: float) -> None:
+def end_iteration(iteration: int, reft_s: float, reft_cpu_s: float = 0.0) -> None:
     """One ``reft_iteration`` event: this iteration's REFT collectives and the seconds
-    the training thread spent inside REFT's hooks (nothing without the counter)."""
+    the training thread spent inside REFT's hooks, wall and CPU (nothing without the
+    counter)."""
     if _counter is None:
         return
     from reft_ext.report.events import record
 
     record("reft_iteration", iteration=iteration, reft_ms=1000 * reft_s,
-           calls=_counter.take())
+           reft_cpu_ms=1000 * reft_cpu_s, calls=_counter.take())

@@ -24,6 +24,8 @@ def _lost_node_1(layout_args, protect):
     return run
 
 
+@pytest.mark.slow  # make test's 12 minutes; the default tier: test_zeropp.py's lost node
+# (DP4 ZeRO-1 arc,aor on 2 nodes x 2, the same ring and sources, under ZeRO++)
 def test_dp4_zero1_on_two_nodes_of_two_survives_a_lost_node(reference_runs):
     """DP4, ZeRO-1, arc,aor on 2 nodes x 2 ranks: the ring 0->2->1->3->0 keeps each slice
     replica and optimizer shard on the other node; node 1 lost, ranks 2 and 3 take their

@@ -171,11 +171,12 @@ def test_bubbles_tier_split_and_host_memory():
     # 314200896 / 0.5e9 - 0.95 x 8 x t_mid = 0.628401792 - 0.136007298
     assert p.stages[0].overhead == pytest.approx(0.49239449429333, rel=1e-9)
     assert p.t_iter == pytest.approx(0.19725417375726498, rel=1e-12)  # (m + (P-1)/v) t_last
-    # host memory of the largest node (4 ranks of the last stage, two slots each)
-    assert p.host_memory["none"]["bytes"] == 1310515200  # 8 x 1310515200 / 8 (own slice)
-    assert p.host_memory["arc"]["bytes"] == 2621030400  # 8 x slot_end
+    # host memory of the largest node (4 ranks of the last stage, three slots each:
+    # --reft-keep's default, local commits): 4 x 3 x the slot
+    assert p.host_memory["none"]["bytes"] == 12 * 163814400  # own slice
+    assert p.host_memory["arc"]["bytes"] == 12 * 327628800  # own slice + its replica
     # AEC: stream padded to 64 x 8 x 7 = 3584 B: 1310518272, slice 163814784 + parity / 7
-    assert p.host_memory["aec"]["bytes"] == 1497735168  # 8 x (163814784 + 23402112)
+    assert p.host_memory["aec"]["bytes"] == 12 * (163814784 + 23402112)
 
 
 def test_cli_table_json_and_plot(tmp_path, capsys):

@@ -72,6 +72,8 @@ def test_crash_then_node_loss(layout, protect, schedule, tmp_path, reference_run
     same_as_reference(run, ref, lost + 1)
 
 
+@pytest.mark.slow  # make test's 12 minutes; the default tier: test_zeropp.py's crash then
+# lost node (ZeRO-1, arc,aor) and test_summary_and_demo.py's demo digest
 def test_demo_crash_then_lost_node_with_zero1_arc_aor(tmp_path, reference_runs):
     """`make demo` (tools/demo.py) on the tiny model, the default job's layout and flags:
     a crash (every rank reloads its own memory, ZeRO-1 shards included), then a lost node

@@ -61,6 +61,15 @@ BAD = [
      "--reft-flush-dir"),
     (["--data-path", "/nonexistent/corpus_text_document"], 1, "--data-path"),
     (["--data-path", "0.5", "/nonexistent/a", "0.5", "/nonexistent/b"], 1, "--data-path"),
+    # ZeRO++: the distributed optimizer's collectives; qwZ needs 16-bit params
+    (["--zero-quantized-gradients"], 4, "--zero-quantized-weights/--zero-quantized-gradients"),
+    (["--zero-quantized-weights", "--use-distributed-optimizer"], 4,
+     "--zero-quantized-weights"),
+    (["--zero-gradient-bits", "2"], 4, "--zero-gradient-bits"),
+    (["--zero-hpz-partition-size", "2", "--use-distributed-optimizer", "--bf16"], 4,
+     "--zero-hpz-partition-size"),
+    (["--zero-quantized-gradients", "--use-distributed-optimizer", "--zero-node-size", "3"],
+     4, "--zero-node-size"),
 ]
 
 
