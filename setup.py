@@ -40,6 +40,7 @@ setup(
         "numpy",
         "psutil",  # needed by megatron-core's dist_checkpointing writer, undeclared there
         "xxhash",  # snapshot checksums at ~10 GB/s
+        "einops",  # megatron-core's partial distributed optimizer groups (hpZ), undeclared
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib"],

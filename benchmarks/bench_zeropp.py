@@ -4,8 +4,9 @@ per step, and the loss curves of both over a few hundred iterations.
     python benchmarks/bench_zeropp.py [--iters 300] [--bits 8] [--png docs/img/zeropp_loss.png]
 
 The same bf16 job (4 layers x 64, DP4 with the distributed optimizer, 2 simulated nodes
-of 2 ranks: --zero-node-size 2) runs unquantized and with --zero-quantized-weights
---zero-quantized-gradients, on loopback gloo. Both count their bytes through the same
+of 2 ranks: --zero-node-size 2) runs unquantized, with --zero-quantized-weights
+--zero-quantized-gradients, and with both plus --zero-hpz-partition-size 2, on loopback
+gloo. Both count their bytes through the same
 wrappers (REFT_ZEROPP_COUNT=1 for the unquantized run): what one rank sends per step to
 ranks of its node and of other nodes, for the weight all-gather and the gradient
 reduce-scatter. Bytes are the primary figure: on CPU, gloo's reduce-scatter is slower
@@ -38,11 +39,12 @@ LINE = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d
                   r"([\d.]+)/([\d.]+), grads ([\d.]+)/([\d.]+)")
 
 
-def run(iters: int, quantized: bool, bits: int) -> dict:
+def run(iters: int, quantized: bool, bits: int, hpz: int = 1) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                REFT_ZEROPP_COUNT="1")
     extra = ["--zero-quantized-weights", "--zero-quantized-gradients",
              "--zero-gradient-bits", str(bits)] if quantized else []
+    extra += ["--zero-hpz-partition-size", str(hpz)] if hpz > 1 else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=4", os.path.join(REPO, "pretrain_llama.py"), *MODEL,
            "--train-iters", str(iters), *extra]
@@ -66,13 +68,14 @@ def main() -> None:
     a = ap.parse_args()
     plain = run(a.iters, False, a.bits)
     zpp = run(a.iters, True, a.bits)
+    hpz = run(a.iters, True, a.bits, hpz=2)
     print(f"\nZeRO-1 vs ZeRO++ (qwZ int8 + qgZ int{a.bits}), bf16, DP4 on 2 simulated "
           f"nodes x 2 ranks, {a.iters} iterations, loopback gloo, this 2-core host\n")
     print("| | weights MB/step intra / inter | grads MB/step intra / inter | total MB/step "
           "| inter-node MB/step | ms/step (median) | final loss (mean of last 20) |")
     print("|---|---|---|---|---|---|---|")
     totals = {}
-    for name, r in (("ZeRO-1", plain), ("ZeRO++", zpp)):
+    for name, r in (("ZeRO-1", plain), ("ZeRO++", zpp), ("ZeRO++ + hpZ 2", hpz)):
         b = r["bytes"][-1]
         totals[name] = (sum(b), b[1] + b[3])
         ms = statistics.median(r["ms"][10:])
@@ -89,6 +92,11 @@ def main() -> None:
           f"all, {totals['ZeRO-1'][1] / totals['ZeRO++'][1]:.2f}x fewer across nodes; final "
           f"loss difference {zpp['final'] - plain['final']:+.4f} "
           f"({(zpp['final'] - plain['final']) / plain['final']:+.2%})")
+    rel = [abs(b - a) / a for a, b in zip(plain["loss"], hpz["loss"]) if a > 1]
+    print(f"with hpZ 2: {totals['ZeRO-1'][0] / totals['ZeRO++ + hpZ 2'][0]:.2f}x fewer bytes "
+          f"in all, {totals['ZeRO-1'][1] / totals['ZeRO++ + hpZ 2'][1]:.2f}x fewer across "
+          f"nodes; loss while learning: median {statistics.median(rel):.3%}, max "
+          f"{max(rel):.3%}; final {hpz['final']:.4f}")
     if a.png:
         import matplotlib
 
@@ -100,6 +108,8 @@ def main() -> None:
                                                               "fp32 reduce-scatter)")
         ax.plot(zpp["iters"], zpp["loss"], lw=1.2, alpha=0.8,
                 label=f"ZeRO++ (qwZ int8, qgZ int{a.bits})")
+        ax.plot(hpz["iters"], hpz["loss"], lw=1.2, alpha=0.7, ls="--",
+                label="ZeRO++ + hpZ 2 (partial distributed optimizer)")
         ax.set_xlabel("iteration")
         ax.set_ylabel("lm loss")
         ax.grid(alpha=0.3)

@@ -348,12 +348,14 @@ def _validate_zeropp(args):
         cfg = ZeroPPConfig.from_args(args)
         cfg.validate(distributed_optimizer=bool(args.use_distributed_optimizer),
                      params_dtype="bf16" if args.bf16 else "fp32",
-                     world_size=args.world_size)
+                     world_size=args.world_size, dp=args.data_parallel_size)
     except ZeroPPConfigError as exc:
         raise ArgumentError(str(exc)) from None
+    # hpZ: megatron-core's partial distributed optimizer, one instance per partition
+    args.num_distributed_optimizer_instances = cfg.instances(args.data_parallel_size)
     from reft_ext.cluster import inprocess
 
-    if cfg.enabled and inprocess.enabled() and args.reft_restart == "in-process":
+    if (cfg.enabled or cfg.hpz) and inprocess.enabled() and args.reft_restart == "in-process":
         # its duplicate groups are made after start-up: a restart in place destroys them
         _fail("--zero-quantized-weights/--zero-quantized-gradients",
               "not with in-process restart yet (its groups do not survive a generation); "

@@ -1,6 +1,6 @@
 """Run megatron-core 0.16.1 on a machine without CUDA (gloo, CPU tensors).
 
-megatron-core assumes a CUDA device in six ways (docs/foundation.md lists
+megatron-core assumes a CUDA device in seven ways (docs/foundation.md lists
 the file:line sites). Each assumption gets one *bridge* here. They are applied by
 :func:`apply` only when ``torch.cuda.is_available()`` is False, and each is as narrow as
 we could make it:
@@ -20,8 +20,12 @@ we could make it:
 ``tensor_type``
     ``Tensor.type()`` called from megatron-core reports ``torch.cuda.<T>Tensor`` for a CPU
     tensor, so the dtype checks in the optimizers pass.
+``streams``
+    ``torch.cuda.Stream``/``stream``/``default_stream`` are a stream that waits for
+    nothing and a null context (CPU ops run in program order): megatron-core's partial
+    distributed optimizer (hpZ, docs/zeropp.md) makes one at DDP init.
 
-The first four do not touch ``torch`` at all: the listed megatron-core modules get a
+The first four and ``streams`` do not touch ``torch`` at all: the listed megatron-core modules get a
 module-global ``torch`` proxy that differs from the real module only in those calls.
 The last two patch two ``torch.Tensor`` methods, but only change behaviour for callers
 whose module is in ``megatron.core`` (everyone else still gets torch's answer, which on a
@@ -47,6 +51,7 @@ BRIDGES = (
     "cuda_literals",
     "tensor_cuda",
     "tensor_type",
+    "streams",
 )
 
 # megatron-core modules whose code touches torch.cuda.* or allocates on "cuda" on the
@@ -94,6 +99,27 @@ def _is_cuda(device) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+class _HostStream:
+    """A CUDA stream on a machine without one: CPU ops run in program order, so waiting
+    for or recording on it is nothing (megatron-core's partial distributed optimizer
+    makes one for its inter-instance all-reduce)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _CudaProxy(types.SimpleNamespace):
     """``torch.cuda`` as seen by a proxied module."""
 
@@ -103,6 +129,10 @@ class _CudaProxy(types.SimpleNamespace):
             self.current_device = lambda: "cpu"
         if "synchronize" in bridges:
             self.synchronize = lambda *a, **k: None
+        if "streams" in bridges:
+            self.Stream = _HostStream
+            self.stream = lambda s=None: contextlib.nullcontext()
+            self.default_stream = self.current_stream = lambda *a, **k: _HostStream()
 
     def __getattr__(self, name):  # only called for names not overridden above
         return getattr(torch.cuda, name)
@@ -220,7 +250,7 @@ def apply(bridges=BRIDGES, force: bool = False) -> tuple[str, ...]:
     if not todo:
         return _applied
     proxy = _TorchProxy(set(bridges))
-    if {"current_device", "synchronize", "cuda_literals"} & set(todo):
+    if {"current_device", "synchronize", "cuda_literals", "streams"} & set(todo):
         for modname in PROXIED_MODULES:
             mod = importlib.import_module(modname)
             if getattr(mod, "torch", None) is not None:

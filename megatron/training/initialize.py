@@ -76,6 +76,9 @@ def initialize_distributed(args) -> None:
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             order=rank_order(args),
+            # hpZ (--zero-hpz-partition-size): the partial distributed optimizer's groups
+            num_distributed_optimizer_instances=getattr(
+                args, "num_distributed_optimizer_instances", 1),
             # with NCCL the gloo twins of the groups carry host tensors (REFT's snapshots,
             # checksums and object collectives); megatron-core's default, stated because
             # REFT depends on it

@@ -136,6 +136,8 @@ def build_model(args, config: TransformerConfig):
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=getattr(
+            args, "num_distributed_optimizer_instances", 1),  # hpZ (docs/zeropp.md)
     )
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,

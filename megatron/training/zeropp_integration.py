@@ -39,9 +39,13 @@ def install(args):
     from megatron.core.distributed import param_and_grad_buffer as pgb
     from reft_ext.zeropp.collectives import ZeroPPComm
 
-    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    # the group megatron-core passes: the whole data-parallel group, or with hpZ the
+    # partition (its all-gather and reduce-scatter stay inside it)
+    group = mpu.get_data_parallel_group(with_context_parallel=True,
+                                        partial_data_parallel=cfg.hpz)
     comm = ZeroPPComm(cfg, [list(g) for g in dp_groups_of_job(group)], cfg.node_size,
-                      backend=torch.distributed.get_backend(group))
+                      backend=torch.distributed.get_backend(group),
+                      instances=getattr(args, "num_distributed_optimizer_instances", 1))
     pgb.dist_all_gather_func = comm.all_gather
     pgb.dist_reduce_scatter_func = comm.reduce_scatter
     return comm

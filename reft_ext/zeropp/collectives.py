@@ -61,8 +61,9 @@ class ZeroPPComm:
     (global ranks, the same list on every rank: each rank takes part in creating every
     duplicate); ``node_size``: consecutive ranks per node."""
 
-    def __init__(self, cfg, dp_groups: list[list[int]], node_size: int, backend=None):
-        self.cfg, self.node_size = cfg, node_size
+    def __init__(self, cfg, dp_groups: list[list[int]], node_size: int, backend=None,
+                 instances: int = 1):
+        self.cfg, self.node_size, self.instances = cfg, node_size, instances
         self.rank = dist.get_rank()
         self.sent = {"weights": {"intra": 0, "inter": 0}, "gradients": {"intra": 0, "inter": 0}}
         self._by_ranks: dict[tuple, _Groups] = {}
@@ -145,6 +146,10 @@ class ZeroPPComm:
         async_op)``: SUM or AVG."""
         g = self.groups_of(group)
         D, S = g.size, output.numel()
+        if self.instances > 1:  # hpZ: megatron-core then all-reduces the shard across
+            # instances itself (a ring, unquantized): counted here, where its size is known
+            k = self.instances
+            self.sent["gradients"]["inter"] += int(2 * (k - 1) / k * S * output.element_size())
         if not self.cfg.quantized_gradients:
             dist.reduce_scatter_tensor(output, input, op=op, group=g.dup)
             per = S * input.element_size()

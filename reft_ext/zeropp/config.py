@@ -7,8 +7,10 @@ flag per field, checked here before any work (docs/zeropp.md).
 * qgZ (``--zero-quantized-gradients``): the gradient reduce-scatter becomes a quantized
   all-to-all inside the node, then one across nodes among ranks of the same local index,
   each summed in fp32 in a fixed order (deterministic).
-* hpZ (``--zero-hpz-partition-size``): ZeRO-3's secondary partition; refused for ZeRO-1
-  with the reason (docs/zeropp.md).
+* hpZ (``--zero-hpz-partition-size N``): for ZeRO-1, megatron-core's partial distributed
+  optimizer with instances of N ranks (one node): the reduce-scatter and the all-gather
+  stay inside the instance, one all-reduce of the shard crosses instances
+  (docs/zeropp.md).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class ZeroPPConfig:
     quant_block_size: int = field(default=256, metadata=dict(
         help="elements per quantization block (one fp32 scale each)"))
     hpz_partition_size: int = field(default=1, metadata=dict(
-        help="hpZ secondary partition size (1 = off; ZeRO-3 only, refused here)"))
+        help="hpZ: shard the optimizer over partitions of N data-parallel ranks (a node), "
+             "replicated across partitions, so the all-gather and reduce-scatter stay "
+             "inside the node (megatron-core's partial distributed optimizer; 1 = off)"))
     node_size: int = field(default=0, metadata=dict(
         help="ranks per node for qgZ's two hops (default LOCAL_WORLD_SIZE; tests may "
              "simulate nodes)"))
@@ -65,27 +69,34 @@ class ZeroPPConfig:
     def enabled(self) -> bool:
         return self.quantized_weights or self.quantized_gradients
 
+    @property
+    def hpz(self) -> bool:
+        return self.hpz_partition_size > 1
+
+    def instances(self, dp: int) -> int:
+        """megatron-core's ``num_distributed_optimizer_instances`` for hpZ."""
+        return dp // self.hpz_partition_size if self.hpz else 1
+
     def validate(self, *, distributed_optimizer: bool, params_dtype: str,
-                 world_size: int) -> None:
+                 world_size: int, dp: int | None = None) -> None:
         """The combinations that cannot work, refused before any work is done."""
-        if not self.enabled and self.hpz_partition_size == 1:
+        if not self.enabled and not self.hpz:
             return
         if not distributed_optimizer:
             raise ZeroPPConfigError(
-                "--zero-quantized-weights/--zero-quantized-gradients: ZeRO++ quantizes the "
-                "distributed optimizer's all-gather and reduce-scatter; add "
-                "--use-distributed-optimizer")
+                "--zero-quantized-weights/--zero-quantized-gradients/--zero-hpz-partition-"
+                "size: ZeRO++ works on the distributed optimizer's all-gather and "
+                "reduce-scatter; add --use-distributed-optimizer")
         if self.quantized_weights and params_dtype == "fp32":
             raise ZeroPPConfigError(
                 "--zero-quantized-weights: with fp32 parameters (no --bf16/--fp16) the "
                 "optimizer's main params are views of the model params, so dequantizing "
                 "the gathered weights would overwrite the master weights; train in --bf16")
-        if self.hpz_partition_size > 1:
+        if self.hpz and dp is not None and (dp % self.hpz_partition_size or
+                                            dp == self.hpz_partition_size):
             raise ZeroPPConfigError(
-                f"--zero-hpz-partition-size {self.hpz_partition_size}: hpZ keeps a secondary "
-                f"partition of the gathered weights for ZeRO-3's backward re-gather; ZeRO-1 "
-                f"holds whole weights on every rank and has no re-gather to keep inside the "
-                f"node (docs/zeropp.md); use 1")
+                f"--zero-hpz-partition-size {self.hpz_partition_size}: must divide the "
+                f"data-parallel size {dp} into 2 or more partitions (one per node)")
         if world_size % self.node_size:
             raise ZeroPPConfigError(f"--zero-node-size {self.node_size}: the world size "
                                     f"{world_size} is not a multiple of it")

@@ -66,7 +66,7 @@ BAD = [
     (["--zero-quantized-weights", "--use-distributed-optimizer"], 4,
      "--zero-quantized-weights"),
     (["--zero-gradient-bits", "2"], 4, "--zero-gradient-bits"),
-    (["--zero-hpz-partition-size", "2", "--use-distributed-optimizer", "--bf16"], 4,
+    (["--zero-hpz-partition-size", "3", "--use-distributed-optimizer", "--bf16"], 4,
      "--zero-hpz-partition-size"),
     (["--zero-quantized-gradients", "--use-distributed-optimizer", "--zero-node-size", "3"],
      4, "--zero-node-size"),

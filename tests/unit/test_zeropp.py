@@ -155,9 +155,12 @@ def test_flags_refuse_what_cannot_work():
         cfg.validate(distributed_optimizer=False, params_dtype="bf16", world_size=4)
     with pytest.raises(ZeroPPConfigError, match="views of the model params"):
         cfg.validate(distributed_optimizer=True, params_dtype="fp32", world_size=4)
-    with pytest.raises(ZeroPPConfigError, match="--zero-hpz-partition-size 2"):
-        ZeroPPConfig(hpz_partition_size=2, node_size=2).validate(
-            distributed_optimizer=True, params_dtype="bf16", world_size=4)
+    with pytest.raises(ZeroPPConfigError, match="--zero-hpz-partition-size 4: must divide"):
+        ZeroPPConfig(hpz_partition_size=4, node_size=2).validate(
+            distributed_optimizer=True, params_dtype="bf16", world_size=4, dp=4)
+    hpz = ZeroPPConfig(hpz_partition_size=2, node_size=2)
+    hpz.validate(distributed_optimizer=True, params_dtype="bf16", world_size=4, dp=4)
+    assert hpz.instances(4) == 2 and ZeroPPConfig().instances(4) == 1
     with pytest.raises(ZeroPPConfigError, match="world size 6 is not a multiple"):
         ZeroPPConfig(quantized_gradients=True, node_size=4).validate(
             distributed_optimizer=True, params_dtype="bf16", world_size=6)

@@ -78,6 +78,31 @@ def trigger_tensor_type():
     assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)
 
 
+def trigger_streams():
+    # hpZ: the partial distributed optimizer (2 instances) makes a CUDA stream for its
+    # all-reduce across instances; every group of a world of one will do for DDP's init
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                            use_cpu_initialization=True)
+
+    class M(MegatronModule):
+        def __init__(self):
+            super().__init__(cfg)
+            self.w = torch.nn.Parameter(torch.ones(8))
+
+    pgs = ProcessGroupCollection()
+    for name in ("tp", "pp", "dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "ep",
+                 "inter_dist_opt", "intra_dist_opt", "cp"):
+        setattr(pgs, name, torch.distributed.group.WORLD)
+    DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=2), M(),
+        pg_collection=pgs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", default=None)
