@@ -94,7 +94,7 @@ def test_dp4_fp32_replicas_bit_identical_and_flipped_bit_detected():
     check(run, rows, perturbed_rank=2, at=95)
 
 
-@pytest.mark.slow  # AOR in the default tier: the DP4 test above, test_reft_recovery's demo
+@pytest.mark.slow  # AOR in the default tier: the DP4 test above, test_zeropp.py's lost node
 def test_pp2dp2_bf16_replicas_bit_identical_and_lr_change_detected():
     run, rows = run_probe(["--pipeline-model-parallel-size", "2", "--bf16"],
                           perturb="0:90:lr")

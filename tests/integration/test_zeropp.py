@@ -31,6 +31,8 @@ def _bytes(run) -> tuple[float, ...]:
     return tuple(float(x) for x in found[-1])
 
 
+@pytest.mark.slow  # make test's 12 minutes; the default tier: the recovery test below
+# (ZeRO++ in the trainer, its bytes in the log line, bit-exact recovery)
 def test_zeropp_trains_near_unquantized_and_sends_fewer_bytes(reference_runs):
     plain = torchrun(4, BASE + ["--zero-node-size", "2"],
                      env={"REFT_ZEROPP_COUNT": "1"}).check()
@@ -69,6 +71,9 @@ def test_crash_then_lost_node_under_zeropp_recover_bit_exact(reference_runs):
             "[0, 0, 1, 1]: arc+aor copies (keeper->kept) 0->2, 2->1, 1->3, 3->0") in run.output
     # local commits: the restored iteration is the one every rank holds, the last one
     # before the fault or (a rank one snapshot behind) the one before it
+    # the log line's bytes: qwZ int8 codes (+ scales) to 1 peer inside and 2 outside
+    w_in, w_out, g_in, g_out = _bytes(ref)
+    assert abs(w_out - 2 * w_in) < 0.003 and w_in > 0 and g_in > 0 and g_out > 0
     first, second = [e["iteration"] for e in run.events_of("recovery")]
     assert first in (1, 2) and second in (3, 4), (first, second)
     assert_recovered(run.events, second, {0: OWN, 1: OWN, 2: REPLICA, 3: REPLICA},
