@@ -33,13 +33,21 @@ _BLOCKED = textwrap.dedent("""
     if rank == 0:
         time.sleep(3600)  # alive and silent until the test kills it
         sys.exit(0)
-    threading.Timer(1.0, lambda: print("closed", inprocess.shutdown_peer_sockets({port}),
-                                       flush=True)).start()
+    lock = threading.Lock()
+
+    def say(line):  # one write per line, under a lock: the two threads' lines never mix
+        with lock:
+            sys.stdout.write(line + "\\n")
+            sys.stdout.flush()
+
+    threading.Timer(1.0, lambda: say(f"closed {inprocess.shutdown_peer_sockets({port})}")
+                    ).start()
     try:
         dist.all_reduce(torch.ones(4))
-        print("no error")
+        say("no error")
     except RuntimeError as exc:
-        print(f"woke failure={inprocess.is_peer_error(exc)}", flush=True)
+        say(f"woke failure={inprocess.is_peer_error(exc)}")
+    time.sleep(0.5)  # the timer's line, if it is still being written
     os._exit(0)
 """)
 
