@@ -106,7 +106,7 @@ class ZeroPPComm:
             v["intra"] = v["inter"] = 0
         return out
 
-    def _count(self, what: str, g: _Groups, intra_bytes: int, inter_bytes: int) -> None:
+    def _count(self, what: str, intra_bytes: int, inter_bytes: int) -> None:
         self.sent[what]["intra"] += intra_bytes
         self.sent[what]["inter"] += inter_bytes
 
@@ -123,7 +123,7 @@ class ZeroPPComm:
         if not self.cfg.quantized_weights or input.dtype == torch.float32:
             dist.all_gather_into_tensor(output, input, group=g.dup)
             per = n * input.element_size()
-            self._count("weights", g, peers[0] * per, peers[1] * per)
+            self._count("weights", peers[0] * per, peers[1] * per)
             return _Done() if async_op else None
         block = self.cfg.quant_block_size
         codes, scales = quantize(input, 8, block)
@@ -136,7 +136,7 @@ class ZeroPPComm:
         for d in range(D):  # every shard dequantized, this rank's own too
             dequantize(cs[d], ss[d], n, 8, block, out=flat[d * n:(d + 1) * n])
         per = codes.numel() * codes.element_size() + scales.numel() * 4
-        self._count("weights", g, peers[0] * per, peers[1] * per)
+        self._count("weights", peers[0] * per, peers[1] * per)
         return _Done() if async_op else None
 
     # ---- qgZ ------------------------------------------------------------------------
@@ -153,7 +153,7 @@ class ZeroPPComm:
         if not self.cfg.quantized_gradients:
             dist.reduce_scatter_tensor(output, input, op=op, group=g.dup)
             per = S * input.element_size()
-            self._count("gradients", g, (g.per_node - 1) * per, (D - g.per_node) * per)
+            self._count("gradients", (g.per_node - 1) * per, (D - g.per_node) * per)
             return _Done() if async_op else None
         N, M = g.per_node, g.nodes
         x = input.view(M, N, S)

@@ -31,8 +31,8 @@ def trigger_rng_tracker():
     assert not torch.equal(a, b)  # the forked stream advanced
 
 
-def trigger_current_device():
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def _one_param_module():
+    """(config, a MegatronModule of one 8-element parameter) for DDP's init."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
 
@@ -44,7 +44,14 @@ def trigger_current_device():
             super().__init__(cfg)
             self.w = torch.nn.Parameter(torch.ones(8))
 
-    DistributedDataParallel(cfg, DistributedDataParallelConfig(), M())
+    return cfg, M()
+
+
+def trigger_current_device():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg, module = _one_param_module()
+    DistributedDataParallel(cfg, DistributedDataParallelConfig(), module)
 
 
 def trigger_synchronize():
@@ -83,23 +90,14 @@ def trigger_streams():
     # all-reduce across instances; every group of a world of one will do for DDP's init
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                            use_cpu_initialization=True)
-
-    class M(MegatronModule):
-        def __init__(self):
-            super().__init__(cfg)
-            self.w = torch.nn.Parameter(torch.ones(8))
-
+    cfg, module = _one_param_module()
     pgs = ProcessGroupCollection()
     for name in ("tp", "pp", "dp", "dp_cp", "intra_dp_cp", "expt_dp", "intra_expt_dp", "ep",
                  "inter_dist_opt", "intra_dist_opt", "cp"):
         setattr(pgs, name, torch.distributed.group.WORLD)
     DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, num_distributed_optimizer_instances=2), M(),
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=2), module,
         pg_collection=pgs)
 
 
