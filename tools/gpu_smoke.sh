@@ -79,7 +79,7 @@ fi
 # Float16Optimizer fails its final dist-checkpoint save here ("Param id N does not match
 # any model sharded param"), a trainer problem this script is not the place to hide.
 COMMON=(--model-size tiny --micro-batch-size 4 --global-batch-size $((4 * NPROC))
-        --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 20
+        --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters $(( ITERS / 5 < 20 ? ITERS / 5 : 20 ))
         --lr-decay-style cosine --log-interval 10 --eval-interval "$ITERS" --eval-iters 2
         --bf16 --use-distributed-optimizer --transformer-impl "$IMPL"
         --distributed-backend "$BACKEND"

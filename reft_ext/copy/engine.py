@@ -157,6 +157,9 @@ class CopyEngine:
         self._pool = None if self._cpu is not None else ThreadPoolExecutor(
             self.num_threads, thread_name_prefix="reft-copy")
         self.native = self._cpu is not None
+        # chosen with the engine, not read per copy: a reference engine (C off) copies
+        # device bytes with torch even where the extension has a CUDA part
+        self._cuda_native = C if C is not None and _native.HAVE_NATIVE_CUDA else None
         self._closed = False
 
     def submit(self, items: Sequence[CopyItem], after: dict | None = None) -> CopyHandle:
@@ -223,9 +226,9 @@ class CopyEngine:
                     for t in (s, d):  # the caching allocator must not reuse these early
                         if t.device.type == "cuda":
                             t.record_stream(stream)
-                if _native.HAVE_NATIVE_CUDA:
-                    last[raw] = _native.C.cuda_memcpy_async(d.data_ptr(), s.data_ptr(), d.numel(),
-                                                            self.cuda_chunk_bytes, raw)
+                if self._cuda_native is not None:
+                    last[raw] = self._cuda_native.cuda_memcpy_async(
+                        d.data_ptr(), s.data_ptr(), d.numel(), self.cuda_chunk_bytes, raw)
                 else:
                     ts = stream if not isinstance(stream, int) else torch.cuda.ExternalStream(raw)
                     with torch.cuda.stream(ts):

@@ -87,7 +87,7 @@ def xor_encode(srcs: Sequence[torch.Tensor], out: torch.Tensor, *, accumulate: b
         C.xor_encode([m.data_ptr() for m in members], ob.data_ptr(), n,
                      num_threads=num_threads or 0)
         return out
-    if _native.HAVE_NATIVE_CUDA and ob.device.type == "cuda":
+    if C is not None and _native.HAVE_NATIVE_CUDA and ob.device.type == "cuda":
         stream = torch.cuda.current_stream(ob.device).cuda_stream
         with torch.cuda.device(ob.device):
             C.cuda_xor_encode([m.data_ptr() for m in members], ob.data_ptr(), n, stream=stream)

@@ -284,7 +284,7 @@ class ShmSegment:
         if self._mm is None or not torch.cuda.is_available():
             return False
         ptr = self.tensor().data_ptr()
-        if _native.HAVE_NATIVE_CUDA:
+        if _native.C is not None and _native.HAVE_NATIVE_CUDA:
             _native.C.cuda_host_register(ptr, self.nbytes)
         else:
             rc = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 1)  # 1 = Portable
@@ -297,7 +297,7 @@ class ShmSegment:
         if self._pinned_ptr is None:
             return
         ptr, self._pinned_ptr = self._pinned_ptr, None
-        if _native.HAVE_NATIVE_CUDA:
+        if _native.C is not None and _native.HAVE_NATIVE_CUDA:
             _native.C.cuda_host_unregister(ptr)
         else:
             torch.cuda.cudart().cudaHostUnregister(ptr)
