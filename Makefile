@@ -20,7 +20,7 @@ $(STAMP): setup.py pyproject.toml constraints.txt csrc/setup_ext.py $(wildcard c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "setuptools>=64" wheel "pybind11>=2.10"
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,hf]'
 	$(PY) -c "import reft_ext._native as n; print('[reft_ext] native engine:', n.info())"
 	touch $(STAMP)
 

@@ -46,6 +46,9 @@ setup(
         "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib"],
         "plot": ["matplotlib"],
         "gpu": ["transformer-engine", "apex"],
+        # real tokenizers (--tokenizer-type HuggingFaceTokenizer / SentencePieceTokenizer,
+        # tools/train_tokenizer.py) and Hugging Face checkpoints; none of them pulls in torch
+        "hf": ["transformers", "tokenizers", "sentencepiece", "safetensors"],
     },
     ext_modules=get_ext_modules(),
     cmdclass=get_cmdclass(),

@@ -121,8 +121,12 @@ class ReftConfig(ReftFlags):
              "--restart in-process, under torchrun it means process) | process (every "
              "worker restarts, torchrun's way)"))
     stats_interval: int = field(default=1, metadata=dict(flag="", help=(
-        "every how many iterations the [REFT] snapshot line shows the slowest rank's "
-        "times (gathered job-wide then only); the trainer sets it to --log-interval")))
+        "every how many iterations a [REFT] snapshots line sums up the interval, with "
+        "the slowest rank's times (gathered job-wide then only); the trainer sets it to "
+        "--log-interval")))
+    log_every_snapshot: bool = field(default=False, metadata=dict(
+        help="one [REFT] snapshot line per snapshot, for debugging (default: one line "
+             "per --log-interval with that interval's count, bytes and median/max ms)"))
     trace_file: str = field(default="", metadata=dict(
         help="write a Chrome trace (JSON; opens in Perfetto) of every rank's schedule, "
              "bubbles and snapshot chunks to this path"))

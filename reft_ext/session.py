@@ -484,6 +484,7 @@ class ReftSession(_Trace, Session):
     def on_exit(self, state) -> None:
         torch.distributed.barrier(group=self.adapter.control_group)
         self.snap.flush()
+        self.snap.log_interval()  # the window the run ends in, if its line is still due
         # before any worker exits: the watcher must not take the exit for a failure
         self.snap.signals.set(node_status.FINISHED, detail=f"training ended at iteration "
                               f"{state.iteration}")

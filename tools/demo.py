@@ -36,9 +36,12 @@ HASH = re.compile(r"\[HASH\] rank (\d+) iteration (\d+) state ([0-9a-f]+)")
 
 def run(args, trainer_args) -> list[tuple[float, str]]:
     ckpt = os.path.join(args.run_dir, "checkpoints")
+    # the digest times the first committed snapshot after each recovery: it needs every
+    # snapshot's line, not one per --log-interval
+    each = [] if "--reft-log-every-snapshot" in trainer_args else ["--reft-log-every-snapshot"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={args.nproc}", f"--max-restarts={args.max_restarts}",
-           os.path.join(REPO, "pretrain_llama.py"), *trainer_args,
+           os.path.join(REPO, "pretrain_llama.py"), *trainer_args, *each,
            "--save", ckpt, "--load", ckpt]
     print("$ " + " ".join(cmd[2:]), flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")

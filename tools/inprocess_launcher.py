@@ -8,6 +8,9 @@ restart inside their own processes (reft_ext/cluster/inprocess.py, docs/nodes.md
 
     python tools/launch_nodes.py --restart in-process --spares 2 --nnodes 2 \\
         --nproc-per-node 2 -- pretrain_llama.py --reft-snapshot-every 1 ...
+
+Run as a script it is that command: ``python tools/inprocess_launcher.py --spares 2
+--nnodes 2 ... -- pretrain_llama.py ...`` (the same flags, ``--restart in-process`` implied).
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-
-from reft_ext.cluster import status as node_status
-from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig
-from tools.launch_config import JobOutput
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: tools/ is sys.path[0], not the repository
+    sys.path.insert(0, REPO)
+
+from reft_ext.cluster import status as node_status  # noqa: E402
+from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig  # noqa: E402
+from tools.launch_config import JobOutput  # noqa: E402
 
 
 class InProcessLauncher(JobOutput):
@@ -94,3 +100,22 @@ class InProcessLauncher(JobOutput):
                 with open(path, errors="replace") as f:
                     parts.append(f.read())
         return "".join(parts)
+
+
+def main(argv=None) -> int:
+    """tools/launch_nodes.py's command line with ``--restart in-process`` put first (a
+    later ``--restart`` given by the caller still wins, as argparse keeps the last)."""
+    import runpy  # run, not imported: launch_nodes imports this module (no import cycle)
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    sys.argv = [os.path.join(REPO, "tools", "launch_nodes.py"), "--restart", "in-process",
+                *argv]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

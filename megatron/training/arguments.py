@@ -17,16 +17,34 @@ from reft_ext.plan.presets import (  # shared with the planner
 from reft_ext.testing.fault_specs import (GRAMMAR, PHASES, FaultSpecError, check_fault_phases,
                                           parse_fault_specs, parse_spike_specs)
 
+from megatron.training.tokenizer_files import (FILE_TOKENIZERS, SUPPORTED_TOKENIZERS,
+                                               TokenizerError, identity_from_args,
+                                               tokenizer_model_error)
+
 
 class ArgumentError(ValueError):
     """An invalid flag value or combination; the message names the flag."""
 
 
 def _check_paths(args) -> None:
-    """The places a start reads and writes: megatron/training/path_checks.py."""
+    """The places a start reads and writes: megatron/training/path_checks.py; before them the
+    tokenizer's files, after them that the data sets were made with this tokenizer."""
     from megatron.training.path_checks import check_paths
 
+    bad = tokenizer_model_error(args.tokenizer_type, args.tokenizer_model)
+    if bad:
+        _fail(*bad)
     check_paths(args, _fail)
+    if args.data_path and not args.mock_data:
+        from megatron.training.data import data_path_prefixes, dataset_tokenizer_error
+
+        try:
+            why = dataset_tokenizer_error(data_path_prefixes(args.data_path),
+                                          identity_from_args(args), args.tokenizer_model)
+        except TokenizerError as exc:  # an unreadable tokenizer record
+            raise ArgumentError(str(exc)) from None
+        if why:
+            _fail("--data-path", why)
 
 
 def _add_model_args(p):
@@ -121,8 +139,15 @@ def _add_data_args(p):
     g.add_argument("--split", type=str, default="969,30,1")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--tokenizer-type", choices=["NullTokenizer", "ByteLevelTokenizer"],
-                   default="ByteLevelTokenizer")
+    g.add_argument("--tokenizer-type", choices=list(SUPPORTED_TOKENIZERS),
+                   default="ByteLevelTokenizer",
+                   help="ByteLevelTokenizer: UTF-8 bytes (vocab 258); HuggingFaceTokenizer / "
+                        "SentencePieceTokenizer: the files of --tokenizer-model; "
+                        "NullTokenizer: --mock-data with --vocab-size")
+    g.add_argument("--tokenizer-model", type=str, default=None, metavar="PATH",
+                   help="HuggingFaceTokenizer: a tokenizer.json file or a tokenizer directory; "
+                        "SentencePieceTokenizer: a .model file. Local files only, never a "
+                        "download (tools/train_tokenizer.py trains one)")
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--reset-position-ids", action="store_true")
@@ -138,6 +163,9 @@ def _add_checkpoint_args(p):
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model weights of --load only (any TP/PP, e.g. one "
+                        "converted from Hugging Face): fresh optimizer, iteration 0")
     g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
     g.add_argument("--inject-fault", type=str, default=None, metavar=GRAMMAR + "[,...]",
                    help="tests and demos: send SIGNAL (default SIGKILL) to RANK during "
@@ -248,6 +276,7 @@ def validate_args(args):
         _fail("--mock-data", "give either --mock-data or --data-path, not both")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         _fail("--vocab-size", "required with --tokenizer-type NullTokenizer")
+    _validate_tokenizer_flags(args)
     if args.eval_interval < 1 or args.log_interval < 1:
         _fail("--eval-interval/--log-interval", "must be >= 1")
     try:  # the test machinery's parsers (reft_ext/testing/fault_specs.py)
@@ -277,6 +306,22 @@ def validate_args(args):
         except FaultSpecError as exc:
             raise ArgumentError(str(exc)) from None
     return args
+
+
+def _validate_tokenizer_flags(args):
+    """The tokenizer flags alone (their files are checked by _check_paths)."""
+    kind = args.tokenizer_type
+    if (kind in FILE_TOKENIZERS) != bool(args.tokenizer_model):  # missing, or given in vain
+        _fail(*tokenizer_model_error(kind, args.tokenizer_model))
+    if args.tokenizer_model:  # absolute: checkpoints record it for converters run elsewhere
+        args.tokenizer_model = os.path.abspath(os.path.expanduser(args.tokenizer_model))
+    if kind in FILE_TOKENIZERS and not args.mock_data and not args.data_path:
+        # the default data set is the shipped corpus tokenized byte by byte
+        _fail("--data-path", f"required with --tokenizer-type {kind}: the default data set is "
+              f"byte-level; tokenize a corpus with tools/preprocess_data.py --input "
+              f"data/pd_english.jsonl.gz --output-prefix data/NAME --tokenizer-type {kind} "
+              f"--tokenizer-model {args.tokenizer_model} --append-eod and give --data-path "
+              f"data/NAME_text_document")
 
 
 def resolve_transformer_impl(requested, te_missing):

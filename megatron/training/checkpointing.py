@@ -40,6 +40,10 @@ IDENTITY_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_quer
                    "tensor_model_parallel_size", "pipeline_model_parallel_size",
                    "virtual_pipeline_model_parallel_size", "use_distributed_optimizer",
                    "bf16", "seed", "data_path", "mock_data", "split", "global_batch_size")
+# the model and tokenizer, beyond the identity (checkpoint args, for the HF converter)
+MODEL_FIELDS = ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
+                "max_position_embeddings", "norm_epsilon", "rotary_base", "bf16",
+                "tokenizer_type", "tokenizer_model")
 CHECKPOINT_VERSION = 1
 OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -142,7 +146,10 @@ def sharded_state_dict(state: TrainingState, args, *, is_loading: bool, load_opt
                   "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                   "num_layers": args.num_layers, "hidden_size": args.hidden_size,
                   "padded_vocab_size": args.padded_vocab_size,
-                  "data_parallel_size": args.data_parallel_size}
+                  "data_parallel_size": args.data_parallel_size,
+                  # what tools/convert_checkpoint.py needs to rebuild the model and its
+                  # tokenizer without the job's command line
+                  **{k: getattr(args, k, None) for k in MODEL_FIELDS}}
     return sd
 
 
@@ -273,14 +280,20 @@ class Checkpointer:
         torch.distributed.barrier()
         t0 = time.perf_counter()
         load_optim, load_rng = not args.no_load_optim, not args.no_load_rng
+        finetune = bool(getattr(args, "finetune", False))
+        if finetune:  # Megatron's --finetune: the weights only, at any TP/PP
+            load_optim = load_rng = False
         try:  # the layout first, from the small common file: a clear error, no big reads
             common = dist_checkpointing.load_common_state_dict(path)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001
             raise CheckpointError(f"--load {root}: cannot read {path}/common.pt: "
                                   f"{type(exc).__name__}: {exc}") from exc
-        self._check_layout(common.get("args", {}), path)
-        self._warn_other_run(common, path)
+        self._check_layout(common.get("args", {}), path, finetune)
+        if not finetune:
+            self._warn_other_run(common, path)
         saved_dp = common.get("args", {}).get("data_parallel_size", args.data_parallel_size)
+        if finetune:
+            saved_dp = args.data_parallel_size  # nothing per data-parallel rank is read
         if saved_dp != args.data_parallel_size:  # megatron-core reshards params, and the
             # distributed optimizer's dp_reshardable format, in the DP dimension
             print_rank_0(f"resharding checkpoint {path} from data-parallel size {saved_dp} "
@@ -288,6 +301,8 @@ class Checkpointer:
         with torch.no_grad():  # upstream bug 2
             sd = sharded_state_dict(state, args, is_loading=True, load_optim=load_optim,
                                     load_rng=load_rng, saved_dp=saved_dp)
+            if finetune:  # a fresh run from these weights: iteration 0, its own counters
+                sd.pop("train_state")
             try:
                 # into a smaller DP nobody reads the per-rank objects of the dropped DP
                 # ranks, which the access check would take for a hole in the checkpoint
@@ -311,13 +326,15 @@ class Checkpointer:
                 state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if load_rng:
             state.set_rng_state(loaded["rng_state"])
-        state.set_counters(loaded["train_state"])
-        state.extra = json.loads(loaded["train_state"].get("extra", "{}"))
+        if not finetune:
+            state.set_counters(loaded["train_state"])
+            state.extra = json.loads(loaded["train_state"].get("extra", "{}"))
         self.latest = state.iteration
         secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
                             device="cuda" if torch.cuda.is_available() else "cpu")
         torch.distributed.all_reduce(secs, op=torch.distributed.ReduceOp.MAX)
-        print_rank_0(f"loaded checkpoint {path} at iteration {it} "
+        print_rank_0(f"loaded checkpoint {path} at iteration {it}"
+                     f"{' (weights only, --finetune: iteration 0, fresh optimizer)' if finetune else ''} "
                      f"[{secs.item():.3f} s, slowest rank]")
         return True
 
@@ -365,11 +382,24 @@ class Checkpointer:
                      f"as asked")
         record("identity_mismatch", path=path, run=run, differences=diff)
 
-    def _check_layout(self, saved: dict, path: str) -> None:
+    def _check_layout(self, saved: dict, path: str, finetune: bool = False) -> None:
         a = self.args
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "num_layers", "hidden_size", "padded_vocab_size"):
+        if saved.get("imported_from") and not finetune:
+            raise CheckpointError(f"--load {path}: converted from {saved['imported_from']} "
+                                  f"(weights only, no optimizer or data position): add "
+                                  f"--finetune to train from it")
+        # the weights alone reshard to any TP/PP (dist_checkpointing); the optimizer's
+        # ZeRO-1 shards and the per-rank RNG states do not
+        layout = () if finetune else ("tensor_model_parallel_size",
+                                      "pipeline_model_parallel_size")
+        for key in layout + ("num_layers", "hidden_size", "padded_vocab_size"):
             if saved.get(key) != getattr(a, key):
                 flag = "--" + key.replace("_", "-")
+                if key == "padded_vocab_size" and saved.get("imported_from"):
+                    raise CheckpointError(
+                        f"--load {path}: its vocabulary is padded to {saved.get(key)} rows, "
+                        f"this run pads to {getattr(a, key)} (--make-vocab-size-divisible-by "
+                        f"x --tensor-model-parallel-size): convert again with "
+                        f"--target-tensor-parallel-size {a.tensor_model_parallel_size}")
                 raise CheckpointError(f"--load {path}: saved with {flag} {saved.get(key)}, "
                                       f"this run has {getattr(a, key)}")

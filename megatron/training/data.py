@@ -41,6 +41,13 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
+from megatron.training.tokenizer_files import (
+    TokenizerError,
+    describe_identity,
+    read_dataset_tokenizer_info,
+    tokenizer_flags,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The shipped public-domain corpus and the prefix its .bin/.idx get (see data/README.md).
 DEFAULT_CORPUS = str(REPO_ROOT / "data" / "pd_english.jsonl.gz")
@@ -255,12 +262,27 @@ def ensure_preprocessed(prefix_or_jsonl: str = DEFAULT_CORPUS,
     if source is None:
         raise FileNotFoundError(f"no {prefix}.bin/.idx and no JSONL ({'/'.join(_CORPUS_EXTS)}) "
                                 f"next to it to build them from")
+    info = read_dataset_tokenizer_info(prefix)
+    if info and info["identity"].get("tokenizer_type") != tokenizer_type:
+        # someone's dataset made with another tokenizer: never overwrite it with ours
+        raise TokenizerError(
+            f"--data-path {prefix}: older than {source} but made with "
+            f"{describe_identity(info['identity'], info.get('tokenizer_model'))}; re-run "
+            f"tools/preprocess_data.py with that tokenizer, or remove {prefix}.bin/.idx")
     key = hashlib.sha1(os.path.abspath(prefix).encode()).hexdigest()[:16]
     with _file_lock(f"preprocess_{key}"):
         if not _is_fresh(prefix, source):
             _load_preprocess_tool().preprocess_jsonl(
                 source, prefix, tokenizer_type=tokenizer_type, append_eod=append_eod, quiet=quiet)
     return prefix
+
+
+def data_path_prefixes(paths: List[str]) -> List[str]:
+    """The dataset prefixes of --data-path (prefixes, or weight/prefix pairs)."""
+    try:
+        return get_blend_from_list(list(paths))[0]
+    except (AssertionError, ValueError):
+        return list(paths)
 
 
 def data_path_error(paths: List[str], tokenizer_type: str = "ByteLevelTokenizer") -> Optional[str]:
@@ -270,11 +292,7 @@ def data_path_error(paths: List[str], tokenizer_type: str = "ByteLevelTokenizer"
     typo is one error line and not a traceback per rank once the job is built."""
     if not paths:
         return "give at least one dataset prefix (PREFIX for PREFIX.bin/.idx), or --mock-data"
-    try:
-        prefixes = get_blend_from_list(list(paths))[0]
-    except (AssertionError, ValueError):
-        prefixes = list(paths)
-    for prefix in prefixes:
+    for prefix in data_path_prefixes(paths):
         for ext in _CORPUS_EXTS:
             if prefix.endswith(ext):
                 return (f"{prefix} is a JSONL corpus; give its dataset prefix "
@@ -289,10 +307,76 @@ def data_path_error(paths: List[str], tokenizer_type: str = "ByteLevelTokenizer"
         why = f"no {' and no '.join(missing)}"
         if source is not None:
             why += (f" (the JSONL {source} next to it is tokenized on first use with "
-                    f"--tokenizer-type ByteLevelTokenizer only)")
+                    f"--tokenizer-type ByteLevelTokenizer only: for {tokenizer_type} run "
+                    f"tools/preprocess_data.py --input {source} --output-prefix {prefix} "
+                    f"--tokenizer-type {tokenizer_type} --tokenizer-model ... --append-eod)")
         return (f"dataset prefix {prefix}: {why}; give PREFIX of existing PREFIX.bin and "
                 f"PREFIX.idx (tools/preprocess_data.py writes them) or --mock-data")
     return None
+
+
+def dataset_tokenizer_error(prefixes: List[str], identity: dict,
+                            tokenizer_model: Optional[str] = None) -> Optional[str]:
+    """Why the existing datasets `prefixes` cannot be read with the tokenizer `identity`
+    (tokenizer_files.tokenizer_identity), or None. A dataset's ids mean something only in the
+    vocabulary that made them: its `<prefix>.tokenizer-info.json` must name this tokenizer.
+    Without a record, a dataset next to its JSONL was made by ensure_preprocessed, i.e. with
+    ByteLevelTokenizer; any other one (Megatron-LM's tool) is range-checked when it is built."""
+    for prefix in prefixes:
+        if not (os.path.isfile(get_idx_path(prefix)) and os.path.isfile(get_bin_path(prefix))):
+            continue  # data_path_error's business (or built from its JSONL on first use)
+        info = read_dataset_tokenizer_info(prefix)
+        if info is not None:
+            recorded, model = info["identity"], info.get("tokenizer_model")
+        elif _corpus_and_prefix(prefix)[0] is not None:
+            recorded, model = {"tokenizer_type": "ByteLevelTokenizer"}, None
+        else:
+            continue
+        if recorded != identity:
+            fix = (f"tools/preprocess_data.py --input CORPUS --output-prefix NEW "
+                   f"{tokenizer_flags(identity, tokenizer_model)} --append-eod")
+            return (f"dataset {prefix} was tokenized with {describe_identity(recorded, model)}, "
+                    f"this run has {describe_identity(identity, tokenizer_model)}: train with "
+                    f"the tokenizer flags it was made with, or re-tokenize it with this one "
+                    f"({fix}) and give --data-path NEW_text_document")
+    return None
+
+
+def _check_token_range(prefix: str, vocab_size: int, max_tokens: int = 1 << 22) -> None:
+    """A dataset without a tokenizer record: its first `max_tokens` ids must fit the
+    vocabulary (an id past it means another tokenizer, and an index error in the embedding)."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(get_idx_path(prefix), "rb") as f:
+        code = f.read(18)[17]  # magic 9 B, version 8 B, dtype code 1 B
+    dtype = DType.dtype_from_code(code)
+    n = min(os.path.getsize(get_bin_path(prefix)) // numpy.dtype(dtype).itemsize, max_tokens)
+    if n == 0:
+        return
+    top = int(numpy.memmap(get_bin_path(prefix), dtype=dtype, mode="r", shape=(n,)).max())
+    if top >= vocab_size:
+        raise TokenizerError(
+            f"--tokenizer-type: dataset {prefix} holds token id {top}, outside this tokenizer's "
+            f"vocabulary of {vocab_size}: it was made with another tokenizer; give the "
+            f"--tokenizer-type/--tokenizer-model it was made with, or re-run "
+            f"tools/preprocess_data.py with these")
+
+
+def check_dataset_tokenizer(prefixes: List[str], tokenizer,
+                            tokenizer_model: Optional[str] = None) -> None:
+    """dataset_tokenizer_error as an exception (TokenizerError), plus the range check of
+    datasets that carry no record. Tokenizers without an `identity` (built outside
+    megatron/training/tokenizer.py) are not checked."""
+    identity = getattr(tokenizer, "identity", None)
+    if identity is None:
+        return
+    why = dataset_tokenizer_error(prefixes, identity, tokenizer_model)
+    if why:
+        raise TokenizerError(f"--data-path: {why}")
+    for prefix in prefixes:
+        if read_dataset_tokenizer_info(prefix) is None and _corpus_and_prefix(prefix)[0] is None:
+            _check_token_range(prefix, tokenizer.vocab_size)
 
 
 def _data_fingerprint(prefixes: List[str]) -> str:
@@ -405,6 +489,8 @@ def build_train_valid_test_datasets(args, tokenizer):
         if getattr(args, "tokenizer_type", "ByteLevelTokenizer") == "ByteLevelTokenizer":
             for p in prefixes:  # tokenize a JSONL corpus found next to the prefix on first use
                 ensure_preprocessed(p, tokenizer_type="ByteLevelTokenizer")
+        # ids read with another vocabulary than the one that made them: refused
+        check_dataset_tokenizer(prefixes, tokenizer, getattr(args, "tokenizer_model", None))
         cache = data_cache_path(args, prefixes)
     config = gpt_dataset_config_from_args(args, tokenizer, cache)
     _check_splits_nonempty(config)

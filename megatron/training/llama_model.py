@@ -108,6 +108,9 @@ def transformer_config(args, timers=None) -> TransformerConfig:
         # with interleaved PP=2 (docs/foundation.md, trap 1)
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=True,
+        # no CUDA graphs; megatron-core's default "full" means the same but warns that
+        # it is deprecated on every rank
+        cuda_graph_scope=[],
         timers=timers,
     )
 

@@ -1,23 +1,40 @@
-"""Tokenizers that need no download: byte-level (real text) and null (mock data).
+"""Tokenizers read from local files only: byte-level, Hugging Face, SentencePiece, null (mock).
 
 `build_tokenizer(args)` is the entry point the training loop calls. It mirrors Megatron-LM's
 function of the same name: it returns a tokenizer and sets `args.padded_vocab_size`.
 
-Both tokenizers satisfy what megatron-core's GPTDataset / MockGPTDataset read from a tokenizer:
+    --tokenizer-type ByteLevelTokenizer                    (default; UTF-8 bytes, vocab 258)
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR|tokenizer.json
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model FILE.model
+    --tokenizer-type NullTokenizer --vocab-size N          (--mock-data)
+
+Every tokenizer satisfies what megatron-core's GPTDataset / MockGPTDataset read from one:
 `vocab_size` (chooses the on-disk token dtype), `eod` (end of document; also the token the
-mock dataset appends), `pad` (masked out of the loss when the dataset pads), and
-`unique_identifiers` (hashed into the dataset index cache file names, so a different tokenizer
-can never reuse another tokenizer's cached indices).
+mock dataset appends), `pad` (masked out of the loss when the dataset pads; -1 = none), and
+`unique_identifiers` (hashed into the dataset index cache file names; for the file-based
+tokenizers it holds the files' sha256, so another tokenizer never reuses cached indices).
+
+A dataset records the tokenizer it was made with next to its .bin/.idx
+(`<prefix>.tokenizer-info.json`, written by tools/preprocess_data.py); training checks it
+against its own (megatron/training/data.py) so tokens are never read with the wrong vocabulary.
 """
 
 import math
+import os
 import warnings
 from collections import OrderedDict
 from typing import List, Optional
 
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
 
-SUPPORTED_TOKENIZERS = ("ByteLevelTokenizer", "NullTokenizer")
+from megatron.training.tokenizer_files import (  # noqa: F401 - re-exported
+    FILE_TOKENIZERS,
+    SUPPORTED_TOKENIZERS,
+    TokenizerError,
+    check_tokenizer_model,
+    tokenizer_identity,
+    tokenizer_model_files,
+)
 
 
 class ByteLevelTokenizer(MegatronTokenizerBase):
@@ -36,6 +53,7 @@ class ByteLevelTokenizer(MegatronTokenizerBase):
     def __init__(self) -> None:
         # MegatronTokenizerBase stores `path` and copies `config` entries onto the object.
         super().__init__(path=None, config={"library": "byte-level"})
+        self.identity = tokenizer_identity("ByteLevelTokenizer")
 
     # --- encoding -------------------------------------------------------------------------
     def tokenize(self, text: str) -> List[int]:
@@ -89,6 +107,183 @@ class ByteLevelTokenizer(MegatronTokenizerBase):
         )
 
 
+class _FileTokenizer(MegatronTokenizerBase):
+    """What the Hugging Face and SentencePiece wrappers share: the special ids, the vocab
+    views and an identity that hashes the tokenizer's files."""
+
+    KIND = ""
+
+    def __init__(self, path: str, library: str) -> None:
+        check_tokenizer_model(self.KIND, path)
+        super().__init__(path=path, config={"library": library})
+        self.identity = tokenizer_identity(self.KIND, path)
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.KIND} here is for pretraining: no chat template")
+
+    @property
+    def inv_vocab(self) -> dict:
+        return {i: t for t, i in self.vocab.items()}
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        # the files' hash, not their path: a tokenizer edited in place gets new cache entries
+        return OrderedDict(
+            {"class": f"{type(self).__module__}.{type(self).__qualname__}",
+             "sha256": self.identity["sha256"], "vocab_size": self.vocab_size,
+             "eod": self.eod, "pad": self.pad}
+        )
+
+    def _no_eod(self, how: str):
+        return TokenizerError(f"--tokenizer-model {self.path}: no end-of-document token; {how} "
+                              f"(tools/train_tokenizer.py makes tokenizers that have one)")
+
+
+class HuggingFaceTokenizer(_FileTokenizer):
+    """A local Hugging Face tokenizer through transformers: AutoTokenizer for a directory,
+    PreTrainedTokenizerFast for a bare tokenizer.json. Never downloads (local_files_only).
+
+    Megatron-LM's semantics: tokenize(text) is tokenizer(text).input_ids, so a tokenizer that
+    adds its own special tokens (Llama-3's BOS) adds them here too; eod is eos_token; vocab_size
+    is len(tokenizer) (added tokens included). A bare tokenizer.json (or a directory without a
+    tokenizer_config.json) names no eos/pad: they are found among its special tokens by the
+    usual names.
+    """
+
+    KIND = "HuggingFaceTokenizer"
+    EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<eod>", "[EOS]")
+    PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, "huggingface")
+        import transformers
+
+        configured = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+        try:
+            if configured:  # a directory whose config names the class and the special tokens
+                tok = transformers.AutoTokenizer.from_pretrained(
+                    path, local_files_only=True, trust_remote_code=False)
+            else:  # a tokenizer.json, or a directory holding only one
+                tok = transformers.PreTrainedTokenizerFast(tokenizer_file=path if os.path.isfile(
+                    path) else os.path.join(path, "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
+            raise TokenizerError(f"--tokenizer-model {path}: transformers cannot load it "
+                                 f"({type(exc).__name__}: {exc})") from None
+        self._tok = tok
+        self._vocab = tok.get_vocab()
+        if not configured:  # eos/pad by name, set on it too: save_pretrained keeps them
+            if tok.eos_token_id is None and self._named(self.EOD_NAMES) is not None:
+                tok.eos_token = self._named(self.EOD_NAMES)
+            if tok.pad_token_id is None and self._named(self.PAD_NAMES) is not None:
+                tok.pad_token = self._named(self.PAD_NAMES)
+        self._eod, pad = tok.eos_token_id, tok.pad_token_id
+        if self._eod is None:
+            raise self._no_eod("set eos_token in its tokenizer_config.json")
+        # no pad (or pad == eos, a common Hugging Face habit): -1, megatron-core's "no padding";
+        # eod must never be masked out of the loss as padding
+        self._pad = -1 if pad is None or pad == self._eod else int(pad)
+
+    def _named(self, names) -> Optional[str]:
+        specials = {t.content for t in self._tok.added_tokens_decoder.values() if t.special}
+        return next((n for n in names if n in specials), None)
+
+    def tokenize(self, text: str) -> List[int]:
+        # verbose=False: whole documents are longer than any context, no warning about it
+        return list(self._tok.encode(text, verbose=False))
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def save_pretrained(self, directory: str):
+        """Write the tokenizer as a Hugging Face directory (checkpoint converters); a bare
+        tokenizer.json's eos/pad found by name are written into its tokenizer_config.json."""
+        return self._tok.save_pretrained(directory)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def vocab(self) -> dict:
+        return self._vocab
+
+    @property
+    def eod(self) -> int:
+        return int(self._eod)
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+    @property
+    def bos(self) -> Optional[int]:
+        return self._tok.bos_token_id
+
+
+class SentencePieceTokenizer(_FileTokenizer):
+    """A SentencePiece .model as trained: tokenize is a plain encode (no BOS/EOS; the
+    preprocessor's --append-eod ends documents), eod is the model's eos piece, pad its pad
+    piece (-1 when it has none).
+
+    Unlike Megatron-LM's tokenizer of this name, which appends <CLS>/<SEP>/<EOD>/<MASK> pieces
+    beyond the model's vocabulary, the ids are the model's own, as any other SentencePiece user
+    (Hugging Face's LlamaTokenizer) numbers them.
+    """
+
+    KIND = "SentencePieceTokenizer"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, "sentencepiece")
+        self._load()
+
+    def _load(self) -> None:
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
+        if self._sp.eos_id() < 0:
+            raise self._no_eod("it was trained with eos_id=-1; train it with an eos piece")
+
+    def __getstate__(self):  # DataLoader workers under spawn: reload the file, not the C++ object
+        state = dict(self.__dict__)
+        state.pop("_sp", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._load()
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode(text)
+
+    def detokenize(self, ids) -> str:
+        n = self._sp.vocab_size()
+        return self._sp.decode([int(i) for i in ids if 0 <= int(i) < n])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.vocab_size()
+
+    @property
+    def vocab(self) -> dict:
+        return {self._sp.id_to_piece(i): i for i in range(self._sp.vocab_size())}
+
+    @property
+    def eod(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def pad(self) -> int:
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else -1
+
+    @property
+    def bos(self) -> Optional[int]:
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+
 def build_null_tokenizer(vocab_size: int):
     """megatron-core's NullTokenizer (text is space-separated ids), sized so that the
     tokenizer's `vocab_size == vocab_size` and `eod == vocab_size - 1`.
@@ -98,10 +293,12 @@ def build_null_tokenizer(vocab_size: int):
     ids from [0, vocab_size) and appends eod, so every id fits the embedding.
     """
     if vocab_size is None or int(vocab_size) < 2:
-        raise ValueError("NullTokenizer needs --vocab-size >= 2")
-    return MegatronTokenizer.from_pretrained(
+        raise TokenizerError("--vocab-size: NullTokenizer needs --vocab-size >= 2")
+    tokenizer = MegatronTokenizer.from_pretrained(
         metadata_path={"library": "null"}, vocab_size=int(vocab_size) - 1
     )
+    tokenizer.identity = tokenizer_identity("NullTokenizer", vocab_size=vocab_size)
+    return tokenizer
 
 
 def vocab_size_with_padding(orig_vocab_size: int, args) -> int:
@@ -115,27 +312,29 @@ def vocab_size_with_padding(orig_vocab_size: int, args) -> int:
 def build_tokenizer(args):
     """Build the tokenizer named by `args.tokenizer_type` and set `args.padded_vocab_size`.
 
-    args.tokenizer_type: "ByteLevelTokenizer" (real text, vocab 258) or "NullTokenizer"
-        (mock data; needs args.vocab_size).
+    args.tokenizer_type: "ByteLevelTokenizer" (real text, vocab 258; the default),
+        "HuggingFaceTokenizer" / "SentencePieceTokenizer" (args.tokenizer_model: local files),
+        or "NullTokenizer" (mock data; needs args.vocab_size).
+    The tokenizer's `identity` (tokenizer_files.tokenizer_identity) is what datasets record.
     args.padded_vocab_size is set only when absent/None, like Megatron-LM, so a value restored
-    from a checkpoint wins.
+    from a checkpoint wins. Raises TokenizerError, naming the flag, for an unusable tokenizer.
     """
     kind = getattr(args, "tokenizer_type", None) or "ByteLevelTokenizer"
-    if kind == "ByteLevelTokenizer":
-        tokenizer = ByteLevelTokenizer()
+    model = getattr(args, "tokenizer_model", None)
+    if kind not in SUPPORTED_TOKENIZERS:
+        raise NotImplementedError(f"--tokenizer-type {kind!r} is not available (no downloads "
+                                  f"here); use one of {', '.join(SUPPORTED_TOKENIZERS)}")
+    check_tokenizer_model(kind, model)
+    if kind == "NullTokenizer":
+        tokenizer = build_null_tokenizer(getattr(args, "vocab_size", None))
+    else:
+        cls = {"ByteLevelTokenizer": ByteLevelTokenizer, "HuggingFaceTokenizer":
+               HuggingFaceTokenizer, "SentencePieceTokenizer": SentencePieceTokenizer}[kind]
+        tokenizer = cls(model) if kind in FILE_TOKENIZERS else cls()
         given = getattr(args, "vocab_size", None)
         if given is not None and int(given) != tokenizer.vocab_size:
             # Megatron ignores --vocab-size for file-based tokenizers; do the same, but say so.
-            warnings.warn(
-                f"--vocab-size {given} ignored: ByteLevelTokenizer has vocab {tokenizer.vocab_size}"
-            )
-    elif kind == "NullTokenizer":
-        tokenizer = build_null_tokenizer(getattr(args, "vocab_size", None))
-    else:
-        raise NotImplementedError(
-            f"tokenizer type {kind!r} is not available (no downloads here); "
-            f"use one of {SUPPORTED_TOKENIZERS}"
-        )
+            warnings.warn(f"--vocab-size {given} ignored: {kind} has vocab {tokenizer.vocab_size}")
     if getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer

@@ -20,7 +20,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 
-from megatron.training import children, fault_injection, inprocess, llama_model
+from megatron.training import children, fallbacks, fault_injection, inprocess, llama_model
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
@@ -117,6 +117,9 @@ class Trainer:
         from megatron.training.tokenizer import build_tokenizer
 
         self.tokenizer = build_tokenizer(args)
+        fallback = fallbacks.summary()  # the line megatron-core's import warnings became
+        if fallback:
+            print_rank_0(fallback)
         print_rank_0(format_args_table(args))
         self.timers = Timers(log_level=0, log_option="minmax")
         self.config = llama_model.transformer_config(args)

@@ -74,7 +74,7 @@ class PlanReport:
 
 
 def _configs(args):
-    if args.measure and args.hardware not in (None, "cpu"):
+    if args.measure and args.hardware is not None and args.hardware.lower() != "cpu":
         raise PlanConfigError(f"--measure: measures this CPU; not with --hardware "
                               f"{args.hardware}")
     hw = measure_cpu() if args.measure else from_args(HardwareConfig, args)
@@ -82,7 +82,10 @@ def _configs(args):
     model_given = args.model_size or args.num_layers
     if not model_given and cost.train_tokens and cost.num_parameters:
         return None, None, hw, None, None, cost, None
-    model = from_args(ModelConfig, args)
+    # --bf16/--fp16/--fp32 share one dest outside the dataclass's flags: passed by hand,
+    # else ModelConfig's default (bf16) silently replaced --fp32's 4-byte parameters
+    model = from_args(ModelConfig, args,
+                      **({"precision": args.precision} if args.precision else {}))
     return (model, from_args(ParallelConfig, args), hw, from_args(SnapshotConfig, args),
             from_args(ReliabilityConfig, args), cost, from_args(ScaleConfig, args))
 

@@ -57,9 +57,13 @@ class HardwareConfig:
     host_memory: float = _f(0.0, "host memory bytes of one node")
 
     def __post_init__(self):
-        if self.hardware != "custom" and self.hardware not in PROFILES:
+        # names are matched case-insensitively (``--hardware v100`` is V100) and kept in
+        # the profile's spelling, which the reports and LINK_SHARED use
+        canonical = {name.lower(): name for name in (*PROFILES, "custom")}
+        if str(self.hardware).lower() not in canonical:
             fail("--hardware", f"unknown profile {self.hardware!r}; choose from "
                                f"{', '.join(PROFILES)} or custom")
+        self.hardware = canonical[str(self.hardware).lower()]
         base = PROFILES.get(self.hardware, {})
         for name in PROFILE_FIELDS:
             if not getattr(self, name):

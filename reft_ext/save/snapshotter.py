@@ -35,6 +35,7 @@ from reft_ext.cluster import status as node_status
 from reft_ext.store.commit import Committer
 from reft_ext.store.slots import SnapshotStore, to_jsonable
 from reft_ext.report.summary import Window
+from reft_ext.report.snapshot_log import SnapshotLog
 from reft_ext.report.timeline import PipelineEvents
 from reft_ext.report.events import record, reft_print  # (reft_print: offered here too)
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
@@ -133,6 +134,9 @@ class ReftSnapshotter:
         self.last: dict = {}
         # slowest rank's blocking s, per snapshot (the summary's median): the last WINDOW
         self.blocked_history = Window()
+        # the [REFT] snapshot lines: one per --log-interval (or per snapshot, when asked)
+        self.log = SnapshotLog(cfg.stats_interval, cfg.snapshot_every,
+                               cfg.log_every_snapshot, adapter.rank == 0)
         self.recovered_from: str | None = None  # set by REFT-load (reft_ext/load/recover.py)
         self.bandwidth = Bandwidth()  # BW_io of Algorithm 1, measured by every snapshot
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # sharing these cores
@@ -315,41 +319,40 @@ class ReftSnapshotter:
         self.last = {"iteration": batch.iteration, "blocked_s": blocked, **batch.by_how,
                      "sums": sums}
         self.blocked_history.append(blocked)  # this rank's (the summary is rank 0's)
-        # the slowest rank's times: a job-wide MAX, so only on the iterations the log
-        # shows (--log-interval), never a collective of the whole job every iteration
-        slowest = batch.iteration % self.cfg.stats_interval == 0
-        stats = torch.tensor([blocked, batch.busy_s], dtype=torch.float64)
+        it, committed_ms = batch.iteration, 1000 * (time.perf_counter() - batch.t0)
+        if self.log.stale(it):  # a rollback left the window before its last snapshot
+            self.log_interval()
+        schedule = None if wait_s is None else self.schedule.name  # (None: no tiers)
+        tiers = None if wait_s is None else dict(batch.by_how)
+        self.log.add(it, blocked, batch.busy_s, committed_ms, tiers)
+        # the slowest rank's times: a job-wide MAX (16 B), so only for the last snapshot
+        # of each --log-interval window, never a collective per iteration: of the window
+        # for its line, of the snapshot with --reft-log-every-snapshot (the same on all ranks)
+        slowest, each = self.log.closes_window(it), self.cfg.log_every_snapshot
+        stats = torch.tensor([blocked, batch.busy_s] if each else
+                             [self.log.max_blocked_s, self.log.max_copy_s], dtype=torch.float64)
         if slowest:
             torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX,
                                          group=self.a.control_group)
-        if self.a.rank == 0:
-            self._report(batch, wait_s, self.job_nbytes, stats[0].item(), stats[1].item(),
-                         slowest)
+        maxima = (stats[0].item(), stats[1].item())
+        if self.a.rank == 0:  # the snapshot's own times: the slowest rank's where gathered
+            b, c = maxima if each and slowest else (blocked, batch.busy_s)
+            self.log.snapshot(it, self._what(), schedule, tiers, b, c, committed_ms,
+                              each and slowest)
+        if slowest:
+            self.log_interval(None if each else maxima)
 
-    def _report(self, batch: Batch, wait_s: float | None, total: int, blocked_s: float,
-                copy_s: float, slowest: bool) -> None:
-        """The snapshot's one ``[REFT]`` line (and event): the slowest rank's times on the
-        logged iterations, rank 0's on the others."""
-        r, how, schedule = self.regions, batch.by_how, self.schedule.name
-        aor = f", aor {r[Region.AOR][1]}" if self.aor is not None else ""
-        tiers = "" if wait_s is None else (
-            f", {schedule}: {how['bubble']} B in bubbles, {how['compute']} B "
-            f"beside compute, {how['drain']} B at the step")
-        committed_ms = 1000 * (time.perf_counter() - batch.t0)
-        reft_print(f"snapshot iteration {batch.iteration}: {total} bytes on "
-                   f"{self.a.world_size} ranks (per rank: own {r[Region.OWN][1]}, "
-                   f"{self.protection.name} {r[Region.REDUNDANCY][1]}, owned "
-                   f"{r[Region.OWNED][1]}{aor}){tiers}; training blocked "
-                   f"{1000 * blocked_s:.1f} ms, copy {1000 * copy_s:.1f} ms "
-                   f"({'slowest rank' if slowest else 'rank 0'}), "
-                   f"committed {committed_ms:.1f} ms after the step",
-                   event="snapshot", iteration=batch.iteration, bytes=total,
-                   ranks=self.a.world_size, per_rank={k: n for k, (_, n) in r.items()},
-                   protection=self.protection.name,
-                   schedule=None if wait_s is None else schedule,
-                   tiers=None if wait_s is None else dict(how),
-                   blocked_ms=1000 * blocked_s, copy_ms=1000 * copy_s, slowest=slowest,
-                   committed_ms=committed_ms)
+    def _what(self) -> dict:
+        """The job's snapshot, as the [REFT] lines and their events give it."""
+        return dict(bytes=self.job_nbytes, ranks=self.a.world_size,
+                    per_rank={k: n for k, (_, n) in self.regions.items()},
+                    protection=self.protection.name)
+
+    def log_interval(self, maxima: tuple[float, float] | None = None) -> None:
+        """The [REFT] snapshots line of the window so far (rank 0), then a new window;
+        also at the end of training, for the window the run ends in."""
+        self.log.interval(self._what(), self.schedule.name if self.log.tiers else None,
+                          maxima)
 
     def abandon(self) -> None:
         """A failed generation (in-process restart): the snapshot in flight is dropped

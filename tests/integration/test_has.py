@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from tests.harness.log_lines import every_snapshot_lines
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
 REFT = ["--reft-snapshot-every", "1", "--reft-ranks-per-node", "1"]
@@ -30,8 +31,11 @@ def test_seams_megatron_core_still_has():
 
 def test_has_1f1b_zero1_aec_matches_end_of_iteration_and_reference(reference_runs):
     args = TINY + ["--train-iters", str(ITERS)] + ZERO1
-    run = torchrun(4, args + REFT + ["--reft-protect", "aec", "--reft-schedule", "has"],
+    # (--reft-log-every-snapshot: this default-tier run also shows one line per snapshot)
+    run = torchrun(4, args + REFT + ["--reft-protect", "aec", "--reft-schedule", "has",
+                                     "--reft-log-every-snapshot"],
                    script="tests/workers/has_worker.py").check()
+    assert every_snapshot_lines(run.output) == list(range(1, ITERS + 1))
     checks = _checks(run, 4)
     for rank, (n, bubble, compute, drain) in checks.items():
         assert n == ITERS  # every snapshot compared, the last one flushed at exit

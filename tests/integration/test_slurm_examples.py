@@ -231,7 +231,7 @@ def test_nvidia_script_tiny_run(nvidia_tiny):
     run = nvidia_tiny.run()
     assert sorted(run.hashes) == [0, 1] and sorted(run.losses) == list(range(1, 7))
     assert "training on 2:2 x 1 ranks" in nvidia_tiny.output
-    assert "[REFT] snapshot iteration 6" in nvidia_tiny.output
+    assert "[REFT] snapshots of iteration 6: 1 x " in nvidia_tiny.output  # --log-interval 1
 
 
 @pytest.mark.slow  # the real Slurm's node-loss tests are in the default tier
