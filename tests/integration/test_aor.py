@@ -81,6 +81,8 @@ def check(run, rows, perturbed_rank=None, at=None, iters=ITERS):
     assert "WARNING" not in "\n".join(ln for ln in run.output.splitlines() if "[AOR]" in ln)
 
 
+@pytest.mark.slow  # make test's 12 minutes; AOR in the default tier: test_zeropp.py's lost
+# node (the AOR replica rebuilds the lost optimizer shard, bit-exact) and the replay below
 def test_dp4_fp32_replicas_bit_identical_and_flipped_bit_detected():
     """Halfway every holder initializes again offering its replica as the seed (what a
     recovery offers: the restored snapshot's AOR region): even ranks keep theirs without
@@ -94,7 +96,7 @@ def test_dp4_fp32_replicas_bit_identical_and_flipped_bit_detected():
     check(run, rows, perturbed_rank=2, at=95)
 
 
-@pytest.mark.slow  # AOR in the default tier: the DP4 test above, test_zeropp.py's lost node
+@pytest.mark.slow  # AOR in the default tier: test_zeropp.py's lost node
 def test_pp2dp2_bf16_replicas_bit_identical_and_lr_change_detected():
     run, rows = run_probe(["--pipeline-model-parallel-size", "2", "--bf16"],
                           perturb="0:90:lr")
@@ -102,7 +104,7 @@ def test_pp2dp2_bf16_replicas_bit_identical_and_lr_change_detected():
     check(run, rows, perturbed_rank=0, at=90)
 
 
-@pytest.mark.slow  # bf16 replicas: the PP2 x DP2 test above is the default tier's
+@pytest.mark.slow  # bf16 replicas: the PP2 x DP2 test above covers them too
 def test_tp2dp2_bf16_replicas_bit_identical():
     """TP splits the shards further and the grad norm spans the TP group too. Halfway the
     transports are paused and initialized again (a gloo send waited twice used to hang)."""

@@ -107,6 +107,8 @@ def test_every_file_of_a_checkpoint_is_covered(tmp_path, reference_runs):
         raise AssertionError("a checkpoint without its index was accepted")
 
 
+@pytest.mark.slow  # make test's 12 minutes; the default tier's refusal of a corrupt
+# checkpoint: test_train_bad_input.py::test_load_corrupt_checkpoint_fails_clearly_and_touches_nothing
 def test_corrupt_checkpoint_is_refused_and_the_previous_one_loaded(tmp_path, reference_runs):
     """Iteration 4's checkpoint has one flipped byte in a shard of rank 2's: --load refuses
     it naming the file, loads iteration 2, and the run ends bit-identical to the

@@ -28,8 +28,8 @@ def _same(run, ref):
     same_state(run, ref)
 
 
-@pytest.mark.slow  # make test's 12 minutes; a NaN rollback with skipped batches stays in
-# the default tier: test_bad_batches_are_skipped_not_trained_on_again
+@pytest.mark.slow  # make test's 12 minutes; the default tier's rollback:
+# test_nan_on_one_rank_tp2pp2_rolls_back
 def test_spike_then_nan_with_zero1_roll_back_and_skip(tmp_path, reference_runs):
     """PP2xDP2, ZeRO-1, arc,aor: rank 1's gradients scaled by 1e4 at iteration 10 (a grad
     norm spike) -> back to 8, skip 2 batches; then NaN in rank 2's gradients at 12 ->
@@ -83,6 +83,8 @@ def test_nan_on_one_rank_tp2pp2_rolls_back(schedule, reference_runs):
     _same(run, ref)
 
 
+@pytest.mark.slow  # make test's 12 minutes (Hugging Face conversion came in); the default
+# tier's rollback: test_nan_on_one_rank_tp2pp2_rolls_back
 def test_bad_batches_are_skipped_not_trained_on_again(reference_runs):
     """No injection: samples 75 and 108 are corrupt (NaN in their loss masks,
     --poison-train-samples), so whichever iteration reads one gets a NaN loss, however
