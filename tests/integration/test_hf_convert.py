@@ -82,6 +82,8 @@ def _random_hf_llama(path: str, tied: bool = False) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+@pytest.mark.slow  # make test's 12 minutes; the default tier's round trip is the mapping's
+# (tests/unit/test_hf_llama.py), the conversion itself the trained-checkpoint test above
 def test_hugging_face_to_torch_dist_and_back_is_bit_identical(tmp_path):
     from safetensors.torch import load_file
 

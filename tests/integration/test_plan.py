@@ -32,6 +32,8 @@ LAYOUT = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipel
           "--global-batch-size", "8", "--reft-protect", "arc"]
 
 
+@pytest.mark.slow  # make test's 12 minutes; the planner's default-tier checks are the
+# unit tests below and tests/unit/test_plan_*.py
 def test_planner_matches_real_snapshot_manifests(tmp_path):
     job = f"plan-{uuid.uuid4().hex[:8]}"
     shm = tmp_path / "shm"
