@@ -44,13 +44,13 @@ class ReftFaults:
 
     def wipe_node(self) -> None:
         """Node loss: the failure domain's shared memory disappears with the node."""
-        from reft_ext.save.snapshotter import reft_print
         from reft_ext.store.paths import job_dir
 
         s = self.session
         d = job_dir(s.snap.store.job, s.cfg.shm_dir)
         shutil.rmtree(d, ignore_errors=True)
-        reft_print(f"[FAULT] wiped failure domain {s.cfg.node_of(s.adapter.rank)} ({d})")
+        # a [FAULT] line like the others (reft_print would prefix it with [REFT] too)
+        _emit(f"[FAULT] wiped failure domain {s.cfg.node_of(s.adapter.rank)} ({d})")
 
     def corrupt(self, mode: str) -> None:
         """``--inject-fault ...:corrupt*``: damage this rank's committed snapshot. The
