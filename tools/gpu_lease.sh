@@ -25,7 +25,9 @@ cd "$REPO" || exit 2
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu-lease}
 ITERS=${GPU_LEASE_ITERS:-100}
-SITE=${GPU_LEASE_SITE:-/tmp/reft-gpu-site}
+# a fresh private directory (mktemp: 0700, never one another user could have made first):
+# what lands there is imported
+SITE=${GPU_LEASE_SITE:-$(mktemp -d -t reft-gpu-site.XXXXXX)}
 mkdir -p "$OUT"
 T0=$(date +%s)
 SUMMARY=()
