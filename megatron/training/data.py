@@ -3,7 +3,9 @@
 Entry point for the training loop: `build_train_valid_test_data_iterators(args, tokenizer,
 consumed_train_samples, consumed_valid_samples)`. It is a COLLECTIVE when torch.distributed is
 initialized (megatron-core's dataset builder barriers on the default group so that global rank 0
-writes the index cache before the other ranks read it): call it on every rank.
+writes the index cache before the other ranks read it): call it on every rank. In a generation
+of an in-process restart (`collective=False` on every rank) it makes no collectives and reuses
+the datasets the process holds (dataset_cache.py).
 
 Data order is a pure function of (args.seed, consumed samples):
   * GPTDataset's document/sample/shuffle indices depend only on the seed, sequence length, split,
@@ -36,11 +38,11 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
+from megatron.training import dataset_cache
 from megatron.training.tokenizer_files import (
     TokenizerError,
     describe_identity,
@@ -467,10 +469,11 @@ def gpt_dataset_config_from_args(args, tokenizer, path_to_cache: Optional[str]) 
     )
 
 
-def build_train_valid_test_datasets(args, tokenizer):
+def build_train_valid_test_datasets(args, tokenizer, collective: bool = True):
     """(train, valid, test) megatron-core datasets; None for a split with weight 0.
     Data: --mock-data, else --data-path / --{train,valid,test}-data-path, else the shipped
-    corpus (DEFAULT_DATA_PREFIX)."""
+    corpus (DEFAULT_DATA_PREFIX). ``collective`` False: no barriers, the datasets this
+    process built before if it did (a rejoin: dataset_cache.py)."""
     ensure_dataset_helpers()
     if getattr(args, "mock_data", False):
         cls, cache = MockGPTDataset, getattr(args, "data_cache_path", None)
@@ -494,8 +497,8 @@ def build_train_valid_test_datasets(args, tokenizer):
         cache = data_cache_path(args, prefixes)
     config = gpt_dataset_config_from_args(args, tokenizer, cache)
     _check_splits_nonempty(config)
-    return BlendedMegatronDatasetBuilder(
-        cls, list(train_valid_test_num_samples(args)), lambda: True, config).build()
+    return list(dataset_cache.build(cls, train_valid_test_num_samples(args), config,
+                                    collective=collective))
 
 
 def _with(args, **overrides):
@@ -540,6 +543,7 @@ def _cyclic_iterator(dataset, consumed_samples: int, args, dp_rank: int, dp_size
 
 def build_train_valid_test_data_iterators(args, tokenizer, consumed_train_samples: int,
                                           consumed_valid_samples: int, *,
+                                          collective: bool = True,
                                           data_parallel_rank: Optional[int] = None,
                                           data_parallel_size: Optional[int] = None):
     """(train_iter, valid_iter, test_iter) over this rank's micro-batches.
@@ -560,7 +564,7 @@ def build_train_valid_test_data_iterators(args, tokenizer, consumed_train_sample
     if args.global_batch_size % (args.micro_batch_size * data_parallel_size):
         raise ValueError("global_batch_size must be a multiple of micro_batch_size * dp size")
 
-    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(args, tokenizer)
+    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(args, tokenizer, collective)
     if getattr(args, "poison_train_samples", None) and train_ds is not None:
         from megatron.training.poisoned_samples import PoisonedSamples, parse_sample_ranges
 

@@ -25,6 +25,12 @@ def generation() -> inprocess.Generation | None:
     return _gen
 
 
+def rejoining() -> bool:
+    """Is this a later generation of an in-process restart (every rank of it, survivor
+    or replacement, says the same)?"""
+    return _gen is not None and _gen.gen >= 1
+
+
 def store_kwargs(timeout) -> dict:
     """init_process_group's store/rank/world under the in-process supervisor, else {}."""
     global _gen

@@ -32,7 +32,7 @@ import time
 import torch
 from megatron.core import parallel_state as mpu
 
-from megatron.training import optimizer_state
+from megatron.training import inprocess_generation, optimizer_state
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import emit
 from reft_ext.cluster import groups, shrink
@@ -378,7 +378,8 @@ def startup_health_check(args) -> bool:
     report = run_health_check(rank, world, rpn, matmul_size=hc.health_matmul_size,
                               timeout_s=hc.health_timeout, inject=inject,
                               info=_restarts_left(),
-                              device="cuda" if torch.cuda.is_available() else "cpu")
+                              device="cuda" if torch.cuda.is_available() else "cpu",
+                              rejoin=inprocess_generation.rejoining())
     record("health", ok=report.ok, nodes=report.nodes, unresolved=report.unresolved,
            failures=[{"node": f.node, "check": f.check, "reason": f.reason}
                      for f in report.failures])

@@ -309,6 +309,22 @@ def vocab_size_with_padding(orig_vocab_size: int, args) -> int:
     return int(math.ceil(orig_vocab_size / multiple) * multiple)
 
 
+# (type, model files and their stat, --vocab-size) -> the tokenizer this process built: a
+# tokenizer holds no state that encoding changes, and its library's import is seconds
+_built: dict = {}
+
+
+def _files_signature(model) -> tuple:
+    """(name, size, mtime) of the tokenizer's file, or of each file of its directory: a
+    tokenizer rewritten in place is built again."""
+    if not model or not os.path.exists(model):
+        return ()
+    paths = ([os.path.join(model, n) for n in sorted(os.listdir(model))]
+             if os.path.isdir(model) else [model])
+    return tuple((p, st.st_size, st.st_mtime_ns) for p in paths
+                 for st in [os.stat(p)])
+
+
 def build_tokenizer(args):
     """Build the tokenizer named by `args.tokenizer_type` and set `args.padded_vocab_size`.
 
@@ -325,7 +341,10 @@ def build_tokenizer(args):
         raise NotImplementedError(f"--tokenizer-type {kind!r} is not available (no downloads "
                                   f"here); use one of {', '.join(SUPPORTED_TOKENIZERS)}")
     check_tokenizer_model(kind, model)
-    if kind == "NullTokenizer":
+    made = (kind, model, _files_signature(model), getattr(args, "vocab_size", None))
+    if made in _built:  # a warm spare built it before it had a rank (training/warm.py)
+        tokenizer = _built[made]
+    elif kind == "NullTokenizer":
         tokenizer = build_null_tokenizer(getattr(args, "vocab_size", None))
     else:
         cls = {"ByteLevelTokenizer": ByteLevelTokenizer, "HuggingFaceTokenizer":
@@ -335,6 +354,7 @@ def build_tokenizer(args):
         if given is not None and int(given) != tokenizer.vocab_size:
             # Megatron ignores --vocab-size for file-based tokenizers; do the same, but say so.
             warnings.warn(f"--vocab-size {given} ignored: {kind} has vocab {tokenizer.vocab_size}")
+    _built[made] = tokenizer
     if getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer

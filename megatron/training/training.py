@@ -20,7 +20,8 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 
-from megatron.training import children, fallbacks, fault_injection, inprocess, llama_model
+from megatron.training import (children, fallbacks, fault_injection, inprocess,
+                               inprocess_generation, llama_model, warm)
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
@@ -165,6 +166,9 @@ class Trainer:
         # record of every iteration on every rank that computes the loss)
         self.losses: dict[int, str] = {}
         self._failure = None  # a generation that failed while this rank joined it
+        # start-up's heap (imports, model, optimizer) is not garbage: later collections,
+        # the in-process restart's among them, walk only what was made after it
+        warm.freeze()
         try:
             self._join()
         except Exception as exc:  # noqa: BLE001 - a replacement's start-up: see train()
@@ -233,8 +237,10 @@ class Trainer:
         from megatron.training.data import build_train_valid_test_data_iterators
 
         s = self.state
+        # a rejoin of an in-process restart: no collectives, the datasets kept in memory
         self.train_it, self.valid_it, _ = build_train_valid_test_data_iterators(
-            self.args, self.tokenizer, s.consumed_train_samples, s.consumed_valid_samples)
+            self.args, self.tokenizer, s.consumed_train_samples, s.consumed_valid_samples,
+            collective=not inprocess_generation.rejoining())
 
     # ---- one step ----------------------------------------------------------------
     def _forward_backward(self, data_iterator, forward_only: bool):

@@ -23,6 +23,7 @@ is exercised on a GPU.
 from __future__ import annotations
 
 import datetime
+import threading
 
 import torch
 
@@ -122,19 +123,28 @@ def reconfigure(init_store, timeout: datetime.timedelta) -> int:
     many groups."""
     from torch.distributed import distributed_c10d as c10d
 
-    groups = persistent_groups()
+    groups, retired = persistent_groups(), []
     for pg in groups:
         store = store_for(pg, init_store)
         backend = pg._get_backend(torch.device("cpu"))
         inner = torch.distributed.ProcessGroupGloo(
             torch.distributed.PrefixStore("cpu/", store), backend.rank(), backend.size(),
             timeout)
+        retired.append(_module.inner(backend))
         _module.set_inner(backend, inner)
         name, _ = c10d._world.pg_map[pg]
         c10d._world.pg_map[pg] = (name, store)  # new_group reads the default's
     if _base_count is not None:
         c10d._world.group_count = _base_count  # later groups: the replacement's names
+    _retire(retired)
     return len(groups)
+
+
+def _retire(backends: list) -> None:
+    """Drop the failed generation's communicators on a thread of their own: a gloo
+    backend's destructor joins its worker threads (~6 ms each here), which the peers
+    waiting in the next group's rendezvous need not wait for."""
+    threading.Thread(target=backends.clear, name="reft-retire-groups", daemon=True).start()
 
 
 def generation_of(pg) -> int:

@@ -181,10 +181,12 @@ class HealthReport:
         if self.ok:
             worst = max(ms, key=ms.get) if ms else 0
             ag = max(self.allgather_ms.values(), default=0.0)
+            pairs = (f"all-gather in groups {[list(g) for g in self.allgather_ms]}: max "
+                     f"{ag:.1f} ms" if self.allgather_ms else
+                     "no all-gather rounds: a rejoin over groups just connected")
             out.append(f"{len(self.nodes)} node(s) passed in {1000 * self.seconds:.0f} ms "
                        f"(matmul {self.size}x{self.size}: max {ms.get(worst, 0):.1f} ms on "
-                       f"rank {worst}; all-gather in groups "
-                       f"{[list(g) for g in self.allgather_ms]}: max {ag:.1f} ms)")
+                       f"rank {worst}; {pairs})")
         return out
 
 
@@ -226,37 +228,46 @@ def _merge(results: list[dict]) -> dict[tuple, tuple[bool, str]]:
 def run_health_check(rank: int, world_size: int, ranks_per_node: int, *,
                      matmul_size: int = 256, timeout_s: float = 60.0,
                      inject: tuple[int, str] | None = None, info=None,
-                     device: str = "cpu") -> HealthReport:
+                     device: str = "cpu", rejoin: bool = False) -> HealthReport:
     """Collective over the default process group's ranks. ``inject`` = (node, check):
     that node's matmul result or all-gather payload is corrupted (tests, demos).
-    ``info``: any picklable value of this rank, returned in ``report.info``."""
+    ``info``: any picklable value of this rank, returned in ``report.info``.
+    ``rejoin`` (every rank alike): the ranks meet again in a generation of an
+    in-process restart, over groups that have just connected every pair of them: the
+    matmul of every rank and one gather on the default group, no pair rounds (their
+    groups and all-gathers are most of the check's time, on the survivors' path)."""
     t0 = time.perf_counter()
     timeout = datetime.timedelta(seconds=timeout_s)
     node_ranks = {n: list(range(n * ranks_per_node, (n + 1) * ranks_per_node))
                   for n in range(world_size // ranks_per_node)}
     nodes, node = sorted(node_ranks), rank // ranks_per_node
-    control = torch.distributed.new_group(backend="gloo", timeout=timeout)
+    control = None if rejoin else torch.distributed.new_group(backend="gloo",
+                                                               timeout=timeout)
     bad_mm = inject is not None and inject == (node, MATMUL)
     bad_ag = inject is not None and inject == (node, ALLGATHER)
     mm = matmul_check(matmul_size, device=device, corrupt=bad_mm)
     pgs: list = []
-    r1 = _run_round(pair_nodes(nodes), node_ranks, rank, timeout, bad_ag, pgs)
+    r1 = None if rejoin else _run_round(pair_nodes(nodes), node_ranks, rank, timeout,
+                                        bad_ag, pgs)
     gathered = [None] * world_size
-    torch.distributed.all_gather_object(gathered, (mm, r1), group=control)
+    # a rejoin gathers its info now, on the default group: the one collective it makes
+    torch.distributed.all_gather_object(gathered, (mm, r1, info) if rejoin else (mm, r1),
+                                        group=control)
     round1 = _merge([g[1] for g in gathered])
     matmul_bad = {}
-    for r, ((ok, why, _), _) in enumerate(gathered):
+    for r, ((ok, why, _), *_) in enumerate(gathered):
         if not ok and r // ranks_per_node not in matmul_bad:
             matmul_bad[r // ranks_per_node] = f"rank {r}: {why}"
     suspects = sorted({n for g, (ok, _) in round1.items() if not ok for n in g})
     good = sorted(n for g, (ok, _) in round1.items() if ok for n in g if n not in matmul_bad)
     r2 = [_run_round(sub, node_ranks, rank, timeout, bad_ag, pgs)
           for sub in regroup(suspects, good)]
-    final = [None] * world_size
-    torch.distributed.all_gather_object(final, (r2, info), group=control)
+    final = [([], g[2]) for g in gathered] if rejoin else [None] * world_size
+    if not rejoin:
+        torch.distributed.all_gather_object(final, (r2, info), group=control)
     round2 = _merge([x for f in final for x in f[0]])
     failures, unresolved, notes = judge(nodes, matmul_bad, round1, round2)
-    for pg in [*pgs, control]:
+    for pg in [*pgs, control] if control is not None else []:
         torch.distributed.destroy_process_group(pg)
     ag_ms: dict[tuple, float] = {}
     for g in [g[1] for g in gathered]:

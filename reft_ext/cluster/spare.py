@@ -4,7 +4,10 @@
         --world-size N --ranks-per-node P --job-id ID -- SCRIPT [ARGS...]
 
 It imports ``--preload`` (torch, megatron-core, the trainer: the seconds a cold start
-spends) and then blocks on ``reft/ip/assign/<W>`` in the supervisor's store. The
+spends), calls each ``MOD:FUNC`` entry of it with the script's arguments and the world
+size (``megatron.training.warm:prepare``: the tokenizer, in-memory datasets; skipped by
+the job's first ranks, assigned at once), freezes the heap it made (``gc.freeze``) and
+then blocks on ``reft/ip/assign/<W>`` in the supervisor's store. The
 assignment is a rank and a generation, signed with the job's secret
 (``$REFT_INPROCESS_SECRET``, from the worker's own launch environment) and checked by
 type and range; anything else there is ignored with a warning. The worker makes the
@@ -18,6 +21,7 @@ one start-up path.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -75,6 +79,22 @@ def wait_assignment(store, secret: bytes, k: str, world_size: int) -> tuple[int,
         time.sleep(ASSIGN_POLL_S)
 
 
+def _prepare(wid: str, entry: str, func, script_args: list[str], world_size: int) -> None:
+    """Call a ``--preload MOD:FUNC`` with the training script's arguments: what a rank
+    of the job needs whichever rank it is, made before the survivors wait for it. A
+    failure is said and left to the rank (it makes the same on its own, and reports a
+    bad flag the way it always does)."""
+    t0 = time.time()
+    try:
+        made = func(script_args, world_size)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - argparse exits on bad flags
+        print(f"[inprocess] worker {wid}: {entry} failed ({type(exc).__name__}: {exc}); "
+              f"the rank makes it when it is assigned", flush=True)
+        return
+    print(f"[inprocess] worker {wid}: prepared {made} in {time.time() - t0:.2f} s",
+          flush=True)
+
+
 def _die_with_parent() -> None:
     """A worker never outlives its supervisor (killed or crashed, it cannot clean up):
     the kernel SIGKILLs it when the supervisor dies (PR_SET_PDEATHSIG)."""
@@ -105,8 +125,12 @@ def main(argv=None) -> int:
         p.error("give the training script after '--'")
     _die_with_parent()
     t0 = time.time()
-    for mod in filter(None, a.preload.split(",")):
-        importlib.import_module(mod)
+    prepares = []
+    for entry in filter(None, a.preload.split(",")):
+        mod, _, func = entry.partition(":")
+        module = importlib.import_module(mod)
+        if func:
+            prepares.append((entry, getattr(module, func)))
     import datetime
 
     import torch
@@ -119,6 +143,12 @@ def main(argv=None) -> int:
                                        timeout=datetime.timedelta(days=7),
                                        wait_for_workers=False)
     store.set(key("warm", a.id), f"{time.time() - t0:.3f}")  # a statistic, steers nothing
+    # a spare, not one of the first ranks: make what any rank needs (taken meanwhile, it
+    # finishes first: the rank would make the same)
+    if not store.check([key("assign", a.id)]):
+        for entry, func in prepares:
+            _prepare(a.id, entry, func, rest[1:], a.world_size)
+    gc.freeze()  # the imports' heap: the rank's collections need not walk it
     rank, gen = wait_assignment(store, secret, key("assign", a.id), a.world_size)
     os.environ.update(rank_env(rank, gen, a.world_size, a.ranks_per_node, a.job_id,
                                host, int(port)))

@@ -52,9 +52,11 @@ from reft_ext.cluster.inprocess import (key, new_secret, read_signed, set_first,
 from reft_ext.cluster.pool import LocalPool, Pool, Worker
 from reft_ext.report.threads import join_or_warn
 
-# what a warm spare imports while it waits (a cold worker imports the same on its own)
+# what a warm spare imports while it waits (a cold worker imports the same on its own),
+# and MOD:FUNC, called with the script's arguments: what any rank needs (spare.py)
 DEFAULT_PRELOAD = ("torch,megatron.core.parallel_state,megatron.core.models.gpt,"
-                   "megatron.core.optimizer,megatron.training.training,reft_ext.session")
+                   "megatron.core.optimizer,megatron.training.training,reft_ext.session,"
+                   "megatron.training.warm:prepare")
 
 
 @dataclass

@@ -166,19 +166,25 @@ def test_handover_note_is_read_once(tmp_path):
 
 
 # ---- the check itself, in a real gloo job of spawned processes -------------------------
-CASES = [  # (ranks per node, injected (node, check) or None)
-    (1, None), (1, (2, ALLGATHER)), (2, (1, MATMUL)), (2, (0, ALLGATHER)), (1, (1, MATMUL))]
+CASES = [  # (ranks per node, injected (node, check) or None, a rejoin)
+    (1, None, False), (1, (2, ALLGATHER), False), (2, (1, MATMUL), False),
+    (2, (0, ALLGATHER), False), (1, (1, MATMUL), False), (1, None, True),
+    (2, (1, MATMUL), True)]
 
 
 def _worker(rank, world, store_file, out_dir):
+    from torch.distributed import distributed_c10d as c10d
+
     torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}",
                                          rank=rank, world_size=world)
     results = []
-    for rpn, inject in CASES:
+    for rpn, inject, rejoin in CASES:
+        made = c10d._world.group_count
         r = run_health_check(rank, world, rpn, matmul_size=64, timeout_s=20, inject=inject,
-                             info=rank)
+                             info=rank, rejoin=rejoin)
         results.append({"ok": r.ok, "bad": r.bad_nodes, "lines": r.lines(), "info": r.info,
-                        "checks": [f.check for f in r.failures], "ms": 1000 * r.seconds})
+                        "checks": [f.check for f in r.failures], "ms": 1000 * r.seconds,
+                        "groups": c10d._world.group_count - made})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
@@ -191,10 +197,19 @@ def test_real_check_names_the_injected_node(tmp_path):
     tmp.start_processes(_worker, args=(4, str(tmp_path / "store"), str(tmp_path)), nprocs=4,
                         start_method="spawn")
     res = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
-    for case in range(1, len(CASES)):  # the same verdict, word for word, on every rank
+    for case in [i for i, c in enumerate(CASES) if c[1]]:  # the same verdict, word for word
+
         assert all(res[r][case]["lines"] == res[0][case]["lines"] for r in range(4))
-    ok, ag, mm2, ag2, mm1 = res[0]
+    ok, ag, mm2, ag2, mm1, rejoin_ok, rejoin_mm2 = res[0]
     assert ok["ok"] and ok["info"] == [0, 1, 2, 3] and "4 node(s) passed" in ok["lines"][-1]
+    # a rejoin of an in-process restart: no groups of its own, no pair rounds, the same
+    # gathered info, and a bad matmul still named on every rank
+    assert ok["groups"] >= 3 and rejoin_ok["groups"] == rejoin_mm2["groups"] == 0
+    assert rejoin_ok["ok"] and rejoin_ok["info"] == [0, 1, 2, 3]
+    assert "no all-gather rounds" in rejoin_ok["lines"][-1]
+    assert rejoin_mm2["bad"] == [1] and rejoin_mm2["checks"] == [MATMUL]
+    assert rejoin_mm2["lines"][0].startswith(
+        "node 1 (ranks [2, 3]) failed the matmul check: rank 2: max error")
     # (its cost, ok["ms"], is benchmarks/bench_health.py's figure, not a verdict here)
     assert ag["bad"] == [2] and ag["checks"] == [ALLGATHER]
     assert ag["lines"][0].startswith("node 2 (ranks [2]) failed the all-gather check: "

@@ -76,6 +76,9 @@ def test_crash_then_a_failure_during_the_recovery(tmp_path, reference_runs):
                      r"load-read", run.output)
     assert [h["dead"] for h in history] == [[1], [2]]
     assert [h["warm"] for h in history] == [[True], [True]]
+    # both spares made the tokenizer and the datasets before they had a rank
+    assert len(re.findall(r"worker \d+: prepared tokenizer NullTokenizer, datasets in",
+                          run.output)) >= 2, run.output[-6000:]
     # the survivors of both failures left generations 0 and 1 (the second failure cut
     # the first recovery short) and finished the restart as generation 2, all in the
     # processes they started with
