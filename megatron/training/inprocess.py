@@ -41,6 +41,7 @@ from megatron.core.timers import Timers
 from megatron.training.inprocess_generation import (all_groups, base_descriptions,
                                                    base_groups, describe, generation,
                                                    persistent, reconfigure)
+from reft_ext.cluster.groups import wait_retired
 from reft_ext.cluster.inprocess import RestartError
 
 _others: list = []       # the later groups of the failed generation (none may stay held)
@@ -309,6 +310,8 @@ def restart_in_process(trainer, failure: str) -> None:
     if not persistent():
         check_released(roots(trainer))
     gc.collect()  # the failed generation's cycles (exceptions, frames, Work objects)
+    if persistent():
+        wait_retired()  # its communicators' threads: ended by now
     trainer.losses = {i: v for i, v in trainer.losses.items() if i <= s.iteration}
     t_end = time.time()
     split = dict(abort=t_abort - t0, wait_generation=t_gen - t_abort,

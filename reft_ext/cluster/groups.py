@@ -140,11 +140,24 @@ def reconfigure(init_store, timeout: datetime.timedelta) -> int:
     return len(groups)
 
 
+_retiring: threading.Thread | None = None
+
+
 def _retire(backends: list) -> None:
     """Drop the failed generation's communicators on a thread of their own: a gloo
     backend's destructor joins its worker threads (~6 ms each here), which the peers
     waiting in the next group's rendezvous need not wait for."""
-    threading.Thread(target=backends.clear, name="reft-retire-groups", daemon=True).start()
+    global _retiring
+    _retiring = threading.Thread(target=backends.clear, name="reft-retire-groups",
+                                 daemon=True)
+    _retiring.start()
+
+
+def wait_retired(timeout: float = 30.0) -> None:
+    """The failed generation's communicators are gone (long since, by the end of a
+    restart: this only makes the restart's resource count exact)."""
+    if _retiring is not None:
+        _retiring.join(timeout)
 
 
 def generation_of(pg) -> int:
