@@ -9,11 +9,18 @@ import sys
 from megatron.training.arguments import ArgumentError, parse_args
 
 
+def _error(msg: str) -> None:
+    """One line on stderr in one write: the ranks of a node share it, and print's
+    separate write of the newline let two ranks' lines run into one."""
+    sys.stderr.write(f"error: {msg}\n")
+    sys.stderr.flush()
+
+
 def main(argv=None):
     try:
         args = parse_args(argv)
     except ArgumentError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _error(str(exc))
         return 2
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.training import pretrain
@@ -24,10 +31,10 @@ def main(argv=None):
     try:
         pretrain(args)
     except (ReftConfigError, ShmSpaceError, ShmDirError, RollbackError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _error(str(exc))
         return 2
     except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _error(str(exc))
         return 3
     return 0
 

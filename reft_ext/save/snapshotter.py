@@ -357,8 +357,8 @@ class ReftSnapshotter:
     def abandon(self) -> None:
         """A failed generation (in-process restart): the snapshot in flight is dropped
         uncommitted (its slot was never the committed one), no peer is waited for, the
-        threads stop and the segments are unmapped but kept: the committed snapshot in
-        them is what this rank rolls back to."""
+        threads stop and the segments are kept, mapped, for the next session of this
+        process: the committed snapshot in them is what this rank rolls back to."""
         self.pending = None
         self.schedule.close()
         aor_done = self.aor is None or self.aor.abandon()
@@ -367,7 +367,7 @@ class ReftSnapshotter:
         if self.stager is not None:
             self.stager.close()
         if aor_done:  # an AOR thread still applying a message must not lose its mapping
-            self.store.close()
+            self.store.hand_over()  # still mapped for the next session of this process
 
     def close(self, remove: bool) -> None:
         self.flush()

@@ -200,6 +200,12 @@ class ShmSegment:
             os.close(self._fd)
             self._fd = None
 
+    def fileno(self) -> int:
+        """The open file of the segment (ValueError once closed)."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: closed")
+        return self._fd
+
     def unlink(self) -> None:
         """Closes and removes the segment (and the job directory once empty)."""
         self.close()

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from reft_ext.report.events import reft_print
+from reft_ext.store import handover
 from reft_ext.store.atomic import write_atomic
 from reft_ext.store.checksum import checksum
 from reft_ext.store.paths import domain, job_dir
@@ -206,6 +207,7 @@ class SnapshotStore:
                 self._open(key, fname, n)
             else:
                 todo.append((key, fname, n))
+        handover.release()  # a failed generation's segments this store did not claim
         if not background or not todo:
             for key, fname, n in todo:
                 self._open(key, fname, n)
@@ -271,9 +273,11 @@ class SnapshotStore:
         self._wait(key)
         seg = self._segs.get(key)
         if seg is None:
-            if ShmSegment.exists(self.job, fname, base_dir=self.base_dir):
+            # a failed generation's store of this process may hold it mapped already
+            seg = handover.claim(self._path(fname))
+            if seg is None and ShmSegment.exists(self.job, fname, base_dir=self.base_dir):
                 seg = ShmSegment.attach(self.job, fname, base_dir=self.base_dir)
-            else:
+            elif seg is None:
                 seg = ShmSegment.create(self.job, fname, max(nbytes, 1), base_dir=self.base_dir)
             self._segs[key] = seg
         if seg.nbytes < nbytes:
@@ -341,6 +345,14 @@ class SnapshotStore:
         self._settle()  # a reservation still running: its segments are closed too
         for seg in self._segs.values():
             seg.close()
+        self._segs.clear()
+
+    def hand_over(self) -> None:
+        """A failed generation (in-process restart): the segments stay mapped for the
+        next store of this process, which claims them instead of mapping them again
+        (reft_ext/store/handover.py)."""
+        self._settle()
+        handover.hand_over(self._segs.values())
         self._segs.clear()
 
     def remove(self) -> None:
