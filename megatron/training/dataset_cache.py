@@ -71,16 +71,12 @@ def build(cls, sizes, config, *, collective: bool) -> tuple:
     Otherwise the kept ones if this process built them before, else built without
     collectives and kept."""
     k = key(cls, sizes, config)
-    maker = _builder.BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, config)
-    if collective:
-        built = tuple(maker.build())
-    elif k in _kept:
+    if not collective and k in _kept:
         return _kept[k]
-    else:
-        with _without_collectives():
-            built = tuple(maker.build())
-    _kept[k] = built
-    return built
+    maker = _builder.BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, config)
+    with contextlib.nullcontext() if collective else _without_collectives():
+        _kept[k] = tuple(maker.build())
+    return _kept[k]
 
 
 def kept() -> int:

@@ -8,6 +8,7 @@ of them, and everything else REFT does for the loop is one of its methods.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -21,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.timers import Timers
 
 from megatron.training import (children, fallbacks, fault_injection, inprocess,
-                               inprocess_generation, llama_model, warm)
+                               inprocess_generation, llama_model)
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
@@ -168,7 +169,7 @@ class Trainer:
         self._failure = None  # a generation that failed while this rank joined it
         # start-up's heap (imports, model, optimizer) is not garbage: later collections,
         # the in-process restart's among them, walk only what was made after it
-        warm.freeze()
+        gc.freeze()
         try:
             self._join()
         except Exception as exc:  # noqa: BLE001 - a replacement's start-up: see train()

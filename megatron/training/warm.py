@@ -40,11 +40,5 @@ def prepare(argv: list[str], world_size: int) -> str:
     if getattr(args, "mock_data", False) and not getattr(args, "data_cache_path", None):
         build_train_valid_test_datasets(args, tokenizer, collective=False)
         made.append("datasets")
-    freeze()
+    gc.freeze()  # into the permanent generation: later collections skip it
     return ", ".join(made)
-
-
-def freeze() -> None:
-    """Move every object the collector tracks now into its permanent generation: later
-    collections of this process skip them (start-up's heap is not garbage)."""
-    gc.freeze()

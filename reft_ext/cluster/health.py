@@ -267,8 +267,9 @@ def run_health_check(rank: int, world_size: int, ranks_per_node: int, *,
         torch.distributed.all_gather_object(final, (r2, info), group=control)
     round2 = _merge([x for f in final for x in f[0]])
     failures, unresolved, notes = judge(nodes, matmul_bad, round1, round2)
-    for pg in [*pgs, control] if control is not None else []:
-        torch.distributed.destroy_process_group(pg)
+    for pg in [*pgs, control]:
+        if pg is not None:  # a rejoin made no groups
+            torch.distributed.destroy_process_group(pg)
     ag_ms: dict[tuple, float] = {}
     for g in [g[1] for g in gathered]:
         if g is not None:
