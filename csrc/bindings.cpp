@@ -175,10 +175,16 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("chunk_bytes") = 0,
       py::arg("stream") = 0, "enqueue chunked cudaMemcpyAsync on stream; returns a CudaEvent");
+  // page-locking GBs takes seconds: a background reservation thread must not hold the GIL
   m.def("cuda_host_register", [](uintptr_t p, size_t n) {
-    gpu::host_register(as_ptr<void>(p, n, "ptr"), n);
+    void* ptr = as_ptr<void>(p, n, "ptr");
+    py::gil_scoped_release nogil;
+    gpu::host_register(ptr, n);
   });
-  m.def("cuda_host_unregister", [](uintptr_t p) { gpu::host_unregister(reinterpret_cast<void*>(p)); });
+  m.def("cuda_host_unregister", [](uintptr_t p) {
+    py::gil_scoped_release nogil;
+    gpu::host_unregister(reinterpret_cast<void*>(p));
+  });
   m.def(
       "cuda_xor_encode",
       [](const std::vector<uintptr_t>& srcs, uintptr_t out, size_t nbytes, uintptr_t stream) {

@@ -99,6 +99,11 @@ class ReftConfig(ReftFlags):
              "in small chunks: a GPU side stream, or spare CPU cores) | deferred (at the "
              "drain before the optimizer step) | auto (concurrent on GPU or when the node "
              "has more CPU cores than its ranks' compute threads, else deferred)"))
+    device_readahead: int = field(default=16, metadata=dict(
+        help="state on a GPU: the snapshot slots are page-locked and each 4 MiB unit is "
+             "copied straight into its slot, this many units ahead of the one being "
+             "checksummed (D2H and hashing overlap); 0 = unlocked slots, each unit "
+             "through a pinned staging buffer, one at a time (no page-locked host memory)"))
     aor_verify_every: int = field(default=100, metadata=dict(
         help="with aor: every N iterations compare each host replica's checksum with its "
              "owner's optimizer shard; a mismatch is logged and disables recovery from "
@@ -134,6 +139,9 @@ class ReftConfig(ReftFlags):
     def __post_init__(self):
         if self.aor_verify_every < 0:
             raise ReftConfigError("--reft-aor-verify-every: must be >= 0")
+        if self.device_readahead < 0:
+            raise ReftConfigError(f"--reft-device-readahead: must be >= 0, got "
+                                  f"{self.device_readahead}")
         if self.stats_interval < 1:
             raise ReftConfigError(f"--log-interval: must be >= 1, got {self.stats_interval}")
         if self.keep not in (0,) and self.keep < 2:  # (0: auto, see resolve_keep)

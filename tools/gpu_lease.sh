@@ -5,11 +5,13 @@
 # native extension is built in place for that machine's torch and CUDA, then
 #
 #  1. the CUDA tests (kernel parity, device staging, the trainer's GPU path, AOR's D2H);
-#  2. tools/gpu_smoke.sh (failure-free run, crash + REFT-load + bit-identical final
+#  2. a paper-size model on the one GPU (GPU_LEASE_MODEL, default llama2-1.3b; "none"
+#     skips it): iteration time without snapshots and with one every iteration (HAS)
+#     for each --reft-device-readahead in GPU_LEASE_READAHEAD (default "0 16": the
+#     unlocked slots through staging, then page-locked slots 16 units ahead), and the
+#     [REFT] snapshot lines (bytes, ms);
+#  3. tools/gpu_smoke.sh (failure-free run, crash + REFT-load + bit-identical final
 #     state, iteration times) with fewer iterations than its default;
-#  3. a paper-size model on the one GPU (GPU_LEASE_MODEL, default llama2-1.3b; "none"
-#     skips it): iteration time without snapshots and with one every iteration (HAS),
-#     and the [REFT] snapshot lines (bytes, ms);
 #
 # each step under its own time limit, so one that hangs cannot take the others with it.
 # Logs and the smoke table go to $OUT (default runs/gpu-lease); a summary is printed last.
@@ -75,13 +77,6 @@ bounded 150 "$OUT/gpu_tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/gpu tests/unit/test_gpu_trainer_path.py tests/unit/test_aor_gpu_path.py
 note "CUDA tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" | tail -1)"
 
-step "tools/gpu_smoke.sh, $ITERS iterations"
-rm -rf /dev/shm/reft-* 2>/dev/null
-PYTHON="$PY" GPU_SMOKE_ITERS="$ITERS" GPU_SMOKE_FAULT_ITER=$((ITERS / 2)) \
-    GPU_SMOKE_DIR=runs/gpu-smoke bounded 330 "$OUT/smoke.log" tools/gpu_smoke.sh "$OUT/table.md"
-note "smoke exit $? (table.md, smoke.log)"
-tar -czf "$OUT/smoke_logs.tgz" runs/gpu-smoke/*.log 2>/dev/null
-
 MODEL=${GPU_LEASE_MODEL:-llama2-1.3b}
 if [ "$MODEL" != none ]; then
     step "$MODEL: no snapshot, then a snapshot every iteration"
@@ -89,19 +84,29 @@ if [ "$MODEL" != none ]; then
          --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8 --train-iters 12
          --lr 1e-4 --lr-warmup-iters 2 --log-interval 1 --eval-interval 1000 --eval-iters 0
          --bf16 --use-distributed-optimizer --reft-ranks-per-node 1 ${GPU_LEASE_MODEL_ARGS:-})
-    for snap in 0 1; do
+    # no snapshot, then one every iteration for each --reft-device-readahead in
+    # GPU_LEASE_READAHEAD (0: the unlocked slots and staging of before, the baseline)
+    for run in snap0 ${GPU_LEASE_READAHEAD:-0 16}; do
         rm -rf /dev/shm/reft-* 2>/dev/null
-        bounded 150 "$OUT/big_snap$snap.log" "$PY" -m torch.distributed.run --standalone \
-            --nproc-per-node 1 pretrain_llama.py "${BIG[@]}" --reft-snapshot-every $snap \
-            --reft-schedule has
+        if [ "$run" = snap0 ]; then extra=(--reft-snapshot-every 0); log=big_snap0
+        else extra=(--reft-snapshot-every 1 --reft-device-readahead "$run"); log=big_ra$run; fi
+        bounded 150 "$OUT/$log.log" "$PY" -m torch.distributed.run --standalone \
+            --nproc-per-node 1 pretrain_llama.py "${BIG[@]}" "${extra[@]}" --reft-schedule has
         # median iteration time after the first four (warm-up, first snapshots)
-        med=$(grep -o 'elapsed time per iteration (ms): [0-9.]*' "$OUT/big_snap$snap.log" |
+        med=$(grep -o 'elapsed time per iteration (ms): [0-9.]*' "$OUT/$log.log" |
               awk -F': ' 'NR > 4 { print $2 }' | sort -n | awk '{ a[NR] = $1 } END {
               if (NR) print a[int((NR + 1) / 2)]; else print "n/a" }')
-        note "$MODEL --reft-snapshot-every $snap: median iteration $med ms"
+        note "$MODEL ${extra[*]}: median iteration $med ms"
+        grep -h '\[REFT\] snapshot' "$OUT/$log.log" | tail -3
     done
-    grep -h '\[REFT\]' "$OUT/big_snap1.log" | head -8
 fi
+
+step "tools/gpu_smoke.sh, $ITERS iterations"
+rm -rf /dev/shm/reft-* 2>/dev/null
+PYTHON="$PY" GPU_SMOKE_ITERS="$ITERS" GPU_SMOKE_FAULT_ITER=$((ITERS / 2)) \
+    GPU_SMOKE_DIR=runs/gpu-smoke bounded 330 "$OUT/smoke.log" tools/gpu_smoke.sh "$OUT/table.md"
+note "smoke exit $? (table.md, smoke.log)"
+tar -czf "$OUT/smoke_logs.tgz" runs/gpu-smoke/*.log 2>/dev/null
 
 step "done"
 cat "$OUT/table.md" 2>/dev/null || tail -30 "$OUT/smoke.log"

@@ -12,7 +12,8 @@ host copy (:func:`host_memcpy`) refuses anything but CPU tensors.
   stream (the CopyEngine's: native cudaMemcpyAsync where built, torch ``copy_``
   otherwise) that waits for the event ``mark()`` records after the optimizer step; the
   training stream waits on nothing. The staging is then copied into the snapshot slot,
-  where the unit hashes it. AEC parity of device slices is XORed on the device (the
+  where the unit hashes it. With page-locked slots (``--reft-device-readahead`` > 0)
+  the D2H lands in the slot itself, several units ahead of the hash (:class:`Readahead`). AEC parity of device slices is XORed on the device (the
   CUDA kernel of reft_ext/protect/xor.py) and only the parity crosses to the host.
 
 CPU tensors take exactly the paths they took before (same bytes, same kernels).
@@ -154,22 +155,51 @@ class DeviceToHost:
         bytes as StreamLayout.read."""
         pieces = stream.pieces(start, end)
         dev = [p for p in pieces if stream.tensors[p.index].device.type != "cpu"]
+        if dev and out.is_pinned():  # a page-locked slot takes the D2H itself
+            self.complete(self.issue(stream, start, end, out, pieces))
+            return
         for p in pieces:
             if stream.tensors[p.index].device.type == "cpu":
                 host_memcpy(out[p.dst_off:p.dst_off + p.n],
                             stream.tensors[p.index][p.src_off:p.src_off + p.n])
         if dev:
-            direct = out.is_pinned()  # a pinned slot takes the D2H itself
-            stage = out if direct else self._staging(end - start)
+            stage = self._staging(end - start)
             self.engine.submit([(stream.tensors[p.index], stage, p.src_off, p.dst_off, p.n)
                                 for p in dev], after=self._ready).wait()
-            if not direct:
-                for p in dev:
-                    host_memcpy(out[p.dst_off:p.dst_off + p.n],
-                                stage[p.dst_off:p.dst_off + p.n])
+            for p in dev:
+                host_memcpy(out[p.dst_off:p.dst_off + p.n], stage[p.dst_off:p.dst_off + p.n])
         covered = sum(p.n for p in pieces)
         if covered < end - start:
             out[covered:end - start].zero_()  # only the stream's tail is padding
+
+    def issue(self, stream: StreamLayout, start: int, end: int, out: torch.Tensor,
+              pieces=None):
+        """Starts stream bytes [start, end) -> page-locked host ``out``: the D2H is queued
+        on the side stream straight into ``out`` (no staging), host pieces and padding are
+        written now. Returns what :meth:`complete` waits for."""
+        pieces = stream.pieces(start, end) if pieces is None else pieces
+        dev = []
+        for p in pieces:
+            src = stream.tensors[p.index]
+            if src.device.type == "cpu":
+                host_memcpy(out[p.dst_off:p.dst_off + p.n], src[p.src_off:p.src_off + p.n])
+            else:
+                dev.append(p)
+        covered = sum(p.n for p in pieces)
+        if covered < end - start:
+            out[covered:end - start].zero_()  # no D2H writes there
+        if not dev:
+            return None
+        if not out.is_pinned():
+            raise ValueError("DeviceToHost.issue: the destination is not page-locked (a "
+                             "D2H into pageable memory is synchronous); use read()")
+        return self.engine.submit([(stream.tensors[p.index], out, p.src_off, p.dst_off, p.n)
+                                   for p in dev], after=self._ready)
+
+    @staticmethod
+    def complete(pending) -> None:
+        if pending is not None:
+            pending.wait()
 
     def xor_read(self, stream: StreamLayout, starts: Sequence[int], out: torch.Tensor) -> None:
         """Host ``out`` = XOR of stream bytes [s, s + len(out)) over ``starts`` (AEC
@@ -209,3 +239,34 @@ class DeviceToHost:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class Readahead:
+    """A region's device bytes copied straight into a page-locked slot, ``depth`` units
+    ahead of the unit being checksummed, so the D2H of the next units overlaps the hash
+    of this one (one unit at a time, the copy engine idles while the CPU hashes and the
+    CPU while the copy runs: 3 GB/s on an H100, docs/gpu.md). The HAS thread runs units
+    in order except those it defers to a bubble; a unit not issued yet is issued when it
+    runs. Thread safe."""
+
+    def __init__(self, stager: DeviceToHost, stream: StreamLayout,
+                 spans: Sequence[tuple[int, torch.Tensor]], depth: int):
+        """spans[i]: (the stream byte unit i starts at, its host destination)."""
+        if depth < 1:
+            raise ValueError(f"readahead depth must be >= 1, got {depth}")
+        self.stager, self.stream, self.spans, self.depth = stager, stream, spans, int(depth)
+        self._issued: set[int] = set()
+        self._pending: dict[int, object] = {}
+        self._lock = threading.Lock()
+
+    def fill(self, i: int) -> None:
+        """Unit i's bytes are in its destination on return."""
+        with self._lock:
+            for j in range(i, min(len(self.spans), i + self.depth)):
+                if j not in self._issued:
+                    self._issued.add(j)
+                    lo, dst = self.spans[j]
+                    self._pending[j] = self.stager.issue(self.stream, lo, lo + dst.numel(),
+                                                         dst)
+            pending = self._pending.pop(i)
+        self.stager.complete(pending)

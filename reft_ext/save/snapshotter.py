@@ -22,7 +22,7 @@ from reft_ext.store.checksum import CHUNK, chunk_digest
 from reft_ext import _native
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
-from reft_ext.copy.staging import DeviceToHost
+from reft_ext.copy.staging import DeviceToHost, Readahead
 from reft_ext.state.layout import StateLayout
 from reft_ext.state.regions import Region
 from reft_ext.protect.placement import check_placement, place
@@ -125,6 +125,7 @@ class ReftSnapshotter:
         # device tensors: D2H into pinned staging on a side stream that waits for an event
         # recorded after the optimizer step (never a pageable copy_ on the training stream)
         self.stager = None if cpu else DeviceToHost(tensors)
+        self.store.pin_slots = not cpu and cfg.device_readahead > 0
         if self.stager is not None:
             self.layout.replicated.device_reader = self.stager
             self.layout.owned.device_reader = self.stager
@@ -269,11 +270,19 @@ class ReftSnapshotter:
             Region.AOR: self._copy_aor,
         }
         batch = Batch(units, iteration)
+        streams = {Region.OWN: (lay.replicated, start), Region.OWNED: (lay.owned, 0)}
+        ahead = self.stager is not None and self.cfg.device_readahead > 0 and buf.is_pinned()
         for region, (off, n) in self.regions.items():
-            for index, lo in enumerate(range(0, n, CHUNK)):
-                dst = buf[off + lo:off + min(n, lo + CHUNK)]
+            spans = [(lo, buf[off + lo:off + min(n, lo + CHUNK)]) for lo in range(0, n, CHUNK)]
+            fill = fills[region]
+            if ahead and region in streams:  # device bytes straight into the locked slot
+                stream, base = streams[region]
+                ra = Readahead(self.stager, stream, [(base + lo, d) for lo, d in spans],
+                               self.cfg.device_readahead)
+                fill = lambda dst, lo, ra=ra: ra.fill(lo // CHUNK)  # noqa: E731
+            for index, (lo, dst) in enumerate(spans):
                 units.append(Unit(region, index, dst.numel(),
-                                  self._unit(batch, fills[region], dst, lo, region)))
+                                  self._unit(batch, fill, dst, lo, region)))
         self.pending = batch
         batch.slot, batch.t0 = slot, time.perf_counter()
         batch.meta = to_jsonable(self.a.get_meta())

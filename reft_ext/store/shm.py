@@ -290,12 +290,15 @@ class ShmSegment:
         if self._mm is None or not torch.cuda.is_available():
             return False
         ptr = self.tensor().data_ptr()
+        # whole pages (the mapping has them): a length that is not a page multiple is
+        # refused by some drivers
+        n = -(-max(self.nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
         if _native.C is not None and _native.HAVE_NATIVE_CUDA:
-            _native.C.cuda_host_register(ptr, self.nbytes)
+            _native.C.cuda_host_register(ptr, n)
         else:
-            rc = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 1)  # 1 = Portable
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, n, 1)  # 1 = Portable
             if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister({self.path}, {self.nbytes}) failed: {rc}")
+                raise RuntimeError(f"cudaHostRegister({self.path}, {n}) failed: {rc}")
         self._pinned_ptr = ptr
         return True
 

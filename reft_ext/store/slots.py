@@ -135,6 +135,9 @@ class SnapshotStore:
         self._made_lock = threading.Lock()
         self._creator_error: BaseException | None = None
         self._reported: set = set()  # (path, why) already said: one line per bad file
+        # page-lock the slots (state on a GPU: the D2H lands in the slot, asynchronously);
+        # a slot made by the background reservation is locked there, others at begin()
+        self.pin_slots = False
 
     def _name(self, slot: int, ext: str) -> str:
         return f"rank{self.rank}.slot{slot}.{ext}"
@@ -187,6 +190,8 @@ class SnapshotStore:
         except FileNotFoundError:
             pass
         seg = self._segment(slot, nbytes)
+        if self.pin_slots and not seg.pinned:
+            seg.pin()
         return slot, seg.tensor(torch.uint8, 0, nbytes)
 
     def reserve(self, nbytes: int, buffers: dict | None = None,
@@ -223,6 +228,8 @@ class SnapshotStore:
         try:
             for key, fname, n in todo:
                 seg = ShmSegment.create(self.job, fname, max(n, 1), base_dir=self.base_dir)
+                if self.pin_slots and key in self.slots:
+                    seg.pin()  # seconds for GBs, here rather than at the first snapshot
                 with self._made_lock:
                     self._made[key] = seg
         except BaseException as exc:  # noqa: BLE001 - raised at a first use (_wait)

@@ -5,6 +5,9 @@ result is compared bit for bit with the CPU path. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import pytest
 import torch
 
@@ -13,12 +16,13 @@ pytestmark = [pytest.mark.timeout(120),
                                  reason="needs a CUDA device (the CPU-side logic is "
                                         "tests/unit/test_device_staging.py)")]
 
-from reft_ext.copy.staging import DeviceToHost, HostToDevice  # noqa: E402
+from reft_ext.copy.staging import DeviceToHost, HostToDevice, Readahead  # noqa: E402
 from reft_ext.load.fused import load_verified  # noqa: E402
 from reft_ext.protect.xor import xor_encode_reference  # noqa: E402
 from reft_ext.save.bubbles import GpuIdleClock  # noqa: E402
 from reft_ext.state.layout import StateLayout, StreamLayout  # noqa: E402
 from reft_ext.store.checksum import CHUNK, checksum  # noqa: E402
+from reft_ext.store.shm import ShmSegment  # noqa: E402
 
 
 def _tensors(seed: int, device: str):
@@ -73,6 +77,46 @@ def test_device_to_host_read_after_mark_matches_cpu_read():
         d2h.read(s, start, end, got)
         assert torch.equal(got, want)
     d2h.close()
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_readahead_into_a_locked_segment_matches_cpu_read(depth):
+    """--reft-device-readahead: D2H straight into a page-locked shared-memory slot,
+    several units in flight, the units run out of order; the slot holds the state of
+    the step marked (a later change on the training stream is not in it), bit for bit
+    the CPU read."""
+    pairs = _tensors(3, "cuda")
+    s = StreamLayout(pairs)
+    d2h = DeviceToHost([t for _, t in pairs])
+    pairs[0][1].add_(1.0)
+    d2h.mark()
+    ref = StreamLayout([(n, t.cpu()) for n, t in pairs])
+    n, unit = s.nbytes + 777, 1 << 20
+    base = tempfile.mkdtemp(prefix="reft-test-", dir="/dev/shm")  # a slot's tmpfs
+    seg = ShmSegment.create("readahead", "slot.bin", n, base_dir=base)
+    assert seg.pin() and seg.tensor(torch.uint8, 0, n).is_pinned()
+    out = seg.tensor(torch.uint8, 0, n)
+    out.fill_(5)
+    spans = [(lo, out[lo:lo + unit]) for lo in range(0, n, unit)]
+    ra = Readahead(d2h, s, spans, depth)
+    order = list(range(len(spans)))
+    order[0], order[2] = order[2], order[0]
+    for i in order:
+        ra.fill(i)
+    pairs[0][1].add_(1.0)  # the next step, after every unit has landed
+    want = torch.empty(n, dtype=torch.uint8)
+    ref.read(0, n, want)
+    assert torch.equal(out, want)
+    got = seg.tensor(torch.uint8, 0, n)  # read() into a locked slot takes the same path
+    got.fill_(1)
+    d2h.mark()
+    d2h.read(s, 0, n, got)
+    ref = StreamLayout([(n_, t.cpu()) for n_, t in pairs])
+    ref.read(0, n, want)
+    assert torch.equal(got, want)
+    d2h.close()
+    seg.close()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_aec_parity_on_the_device_matches_the_reference():

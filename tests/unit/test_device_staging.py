@@ -12,6 +12,7 @@ import torch
 
 from reft_ext.copy.engine import CopyEngine
 from reft_ext.copy.staging import (D2H, DEVICE, H2D, HOST, DeviceToHost, HostToDevice,
+                                   Readahead,
                                    copy_path, device_bytes, host_memcpy, staging_bytes)
 from reft_ext.load.fused import _copy_to_stream
 from reft_ext.protect.xor import xor_encode_reference
@@ -120,6 +121,34 @@ def test_device_to_host_read_on_host_tensors_gives_stream_read_bytes(start, end)
     got = torch.full((end - start,), 9, dtype=torch.uint8)
     d2h.read(s, start, end, got)
     assert torch.equal(got, want)
+    d2h.close()
+
+
+def test_readahead_fills_every_unit_once_in_any_order():
+    """The readahead's bookkeeping (which units are issued, each waited for once),
+    whatever order the HAS thread runs units in (bubbles defer some): every unit ends
+    with the stream's bytes, padding zeroed. On host tensors issue() copies at once; the
+    D2H into a page-locked slot is tests/gpu/test_device_staging_cuda.py."""
+    s, unit = _stream(3), 4096
+    d2h = DeviceToHost(s.tensors)
+    n = s.nbytes + 1000  # the last unit runs into the padding
+    out = torch.full((n,), 9, dtype=torch.uint8)
+    spans = [(lo, out[lo:lo + unit]) for lo in range(0, n, unit)]
+    issued = []
+    real_issue = d2h.issue
+    d2h.issue = lambda st, a, b, o: issued.append(a) or real_issue(st, a, b, o)
+    ra = Readahead(d2h, s, spans, depth=3)
+    order = list(range(len(spans)))
+    order[1], order[4] = order[4], order[1]
+    for i in order:
+        ra.fill(i)
+    want = torch.empty(n, dtype=torch.uint8)
+    s.read(0, n, want)
+    assert torch.equal(out, want)
+    assert sorted(issued) == [lo for lo, _ in spans]  # each unit issued exactly once
+    assert issued[:5] == [0, 4096, 8192, 4 * 4096, 5 * 4096]  # up to 3 ahead of the unit run
+    with pytest.raises(ValueError, match="depth"):
+        Readahead(d2h, s, spans, depth=0)
     d2h.close()
 
 
