@@ -191,8 +191,22 @@ class SnapshotStore:
             pass
         seg = self._segment(slot, nbytes)
         if self.pin_slots and not seg.pinned:
-            seg.pin()
+            self._page_lock(seg)
         return slot, seg.tensor(torch.uint8, 0, nbytes)
+
+    def _page_lock(self, seg: ShmSegment) -> None:
+        """Page-locks a slot; where the driver refuses (a --reft-shm-dir that is not a
+        tmpfs: cudaHostRegister takes no disk-backed mapping) the slots stay unlocked and
+        device bytes go through pinned staging, said once."""
+        try:
+            seg.pin()
+        except RuntimeError as exc:
+            if self.pin_slots:
+                self.pin_slots = False
+                reft_print(f"rank {self.rank}: cannot page-lock the snapshot slots in "
+                           f"{self.dir} ({exc}); device state is copied through pinned "
+                           f"staging instead (slower: put --reft-shm-dir on a tmpfs such "
+                           f"as /dev/shm)", event="slots_unlocked", rank=self.rank)
 
     def reserve(self, nbytes: int, buffers: dict | None = None,
                 background: bool = False) -> None:
@@ -229,7 +243,7 @@ class SnapshotStore:
             for key, fname, n in todo:
                 seg = ShmSegment.create(self.job, fname, max(n, 1), base_dir=self.base_dir)
                 if self.pin_slots and key in self.slots:
-                    seg.pin()  # seconds for GBs, here rather than at the first snapshot
+                    self._page_lock(seg)  # seconds for GBs: here, not at the first snapshot
                 with self._made_lock:
                     self._made[key] = seg
         except BaseException as exc:  # noqa: BLE001 - raised at a first use (_wait)

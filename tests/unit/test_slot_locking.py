@@ -1,0 +1,65 @@
+"""Page-locked snapshot slots (state on a GPU, --reft-device-readahead > 0): which
+segments the store locks, and its fallback where the driver refuses. Locking itself needs
+CUDA (tests/gpu/test_device_staging_cuda.py locks a real slot); here ShmSegment.pin is
+replaced by a recorder, or by the refusal an H100 gave for a mapping of a disk file
+(cudaErrorInvalidValue, docs/gpu.md)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from reft_ext.store import handover
+from reft_ext.store.shm import ShmSegment
+from reft_ext.store.slots import SnapshotStore
+
+NBYTES = 1 << 20
+
+
+@pytest.fixture
+def store():
+    job = "lk" + uuid.uuid4().hex[:8]
+    s = SnapshotStore(job, 0, 0, "/dev/shm", slots=2)
+    yield s
+    s.close()
+    handover.release()
+    ShmSegment.remove_job(f"{job}-node0", base_dir="/dev/shm")
+
+
+def test_slots_are_locked_when_made_and_the_aor_buffer_is_not(store, monkeypatch):
+    locked = []
+    monkeypatch.setattr(ShmSegment, "pin", lambda seg: locked.append(seg.path) or True)
+    store.pin_slots = True
+    store.reserve(NBYTES, {"aor": 4096}, background=True)
+    store.begin(NBYTES)
+    store._settle()
+    assert sorted(p.rsplit("/", 1)[1] for p in set(locked)) == \
+        ["rank0.slot0.bin", "rank0.slot1.bin"]
+
+
+def test_unlocked_store_locks_nothing(store, monkeypatch):
+    monkeypatch.setattr(ShmSegment, "pin", lambda seg: pytest.fail("pinned"))
+    store.reserve(NBYTES, background=True)
+    store.begin(NBYTES)
+
+
+def test_a_refused_lock_falls_back_to_unlocked_slots_said_once(store, monkeypatch, capsys):
+    calls = []
+
+    def refuse(seg):
+        calls.append(seg.path)
+        raise RuntimeError("cudaHostRegister(ptr, n, cudaHostRegisterPortable): "
+                           "cudaErrorInvalidValue (invalid argument)")
+
+    monkeypatch.setattr(ShmSegment, "pin", refuse)
+    store.pin_slots = True
+    store.reserve(NBYTES)  # attached now, locked at begin()
+    for _ in range(3):
+        slot, data = store.begin(NBYTES)
+        data[:4] = 7  # the slot is usable
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert len(calls) == 1 and not store.pin_slots
+    assert text.count("cannot page-lock the snapshot slots") == 1
+    assert "--reft-shm-dir" in text
