@@ -22,36 +22,49 @@ from reft_ext.cluster.groups import BACKEND as GROUPS_BACKEND
 ABORT_TIMEOUT_S = 60.0  # NCCL abort, then the CUDA drain, each at most
 
 
+def _peer_socket(name: str, exclude_ports: set[int]) -> socket.socket | None:
+    """fd ``name`` as a socket object (detach() it after use: the fd is gloo's) when it is
+    a connected TCP socket whose peer port is not excluded, else None. An fd may close
+    under us at any moment (gloo's own threads drop a dead peer's connection; an old
+    generation's backends are destroyed on a thread): that is not an error."""
+    try:
+        if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            return None
+        s = socket.socket(fileno=int(name))
+    except OSError:
+        return None
+    try:
+        if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+            peer = s.getpeername()  # a listening socket has none: nobody waits on it
+            if peer[1] not in exclude_ports:
+                return s
+    except OSError:
+        pass
+    s.detach()
+    return None
+
+
 def peer_sockets(exclude_ports: set[int]) -> list[int]:
     """File descriptors of this process's connected TCP sockets whose peer port is not in
     ``exclude_ports`` (the store's): the process groups' connections."""
     fds = []
     for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            s = socket.socket(fileno=int(name))
-        except OSError:
-            continue
-        try:
-            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
-                try:
-                    peer = s.getpeername()
-                except OSError:
-                    peer = None  # a listening socket: no peer, nobody waits on it
-                if peer is not None and peer[1] not in exclude_ports:
-                    fds.append(int(name))
-        finally:
-            s.detach()  # the fd stays open: it is gloo's
+        s = _peer_socket(name, exclude_ports)
+        if s is not None:
+            fds.append(int(name))
+            s.detach()
     return fds
 
 
 def shutdown_peer_sockets(exclude_ports: set[int]) -> int:
     """Wake every wait on a peer connection with an error (see the module docstring);
-    returns how many connections were shut down."""
+    returns how many connections were shut down. One pass, each fd checked right before
+    its shutdown (a list made first could name an fd closed, or reused, since)."""
     n = 0
-    for fd in peer_sockets(exclude_ports):
-        s = socket.socket(fileno=fd)
+    for name in os.listdir("/proc/self/fd"):
+        s = _peer_socket(name, exclude_ports)
+        if s is None:
+            continue
         try:
             s.shutdown(socket.SHUT_RDWR)
             n += 1

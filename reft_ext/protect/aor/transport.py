@@ -42,6 +42,7 @@ from reft_ext.report.threads import join_or_warn
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 TAG_INIT, TAG_STEP = 0xA0F0, 0xA0F1
+INIT = object()  # queue mark of the whole-shard receive (in place of a step number)
 
 
 def new_aor_group(my_ranks: list[int]):
@@ -98,6 +99,7 @@ class AORTransport:
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._send_work = None
+        self._init_send = None  # initialize()'s whole-shard send, in flight
         self.seq_sent = self.seq_recv = 0
         self.steps = 0  # Adam steps the owner has taken (set again at initialize)
         self.kept = False  # the last initialize kept this holder's replica (not sent)
@@ -116,6 +118,7 @@ class AORTransport:
         if self._thread is not None:
             self.wait()
         self._wait_send()
+        self._wait_init_send()
         self.owner.materialize()
         specs = [None] * self.D
         seeded = seed is not None
@@ -143,18 +146,23 @@ class AORTransport:
         keep_mine = holder[1] is not None and holder[1] == me[0]  # my holder has my state
         keep_held = me[1] is not None and me[1] == owner[0]  # I have my owner's
         self.kept = keep_held  # (tests, the start-up line) the replica was not sent
-        works = []
+        # The whole-shard transfer (hundreds of MB after a lost node) goes on while
+        # training resumes: the holder's apply thread takes it first, then the steps'
+        # messages in order, and every reader of the replica waits for it (wait());
+        # the owner's packed copy stays alive with its send, waited before the next
+        # whole-shard transfer on this pair (TAG_INIT) and at close.
+        self.replica.applied = 0
         if not keep_held:
-            works.append(dist.irecv(self.replica.buffer, src=self.owner_rank,
-                                    group=self.group, tag=TAG_INIT))
+            self.replica.valid, self.replica.reason = False, "being received from its owner"
+            self._q.put((dist.irecv(self.replica.buffer, src=self.owner_rank,
+                                    group=self.group, tag=TAG_INIT), INIT))
+        else:
+            self.replica.valid, self.replica.reason = True, ""
         if not keep_mine:
             packed = torch.empty(mine.nbytes, dtype=torch.uint8)
             self.owner.pack_state(packed)
-            works.append(dist.isend(packed, dst=self.holder_rank, group=self.group,
-                                    tag=TAG_INIT))
-        for w in works:
-            w.wait()
-        self.replica.valid, self.replica.reason, self.replica.applied = True, "", 0
+            self._init_send = dist.isend(packed, dst=self.holder_rank, group=self.group,
+                                         tag=TAG_INIT)
         self.seq_sent = self.seq_recv = 0
         self.steps = int(self.owner.step_count())  # Adam steps taken (= the iteration)
         # pinned where the owner's grads come down from a device (an async D2H target)
@@ -208,6 +216,12 @@ class AORTransport:
             self._send_work.wait()
             self._send_work = None
 
+    def _wait_init_send(self) -> None:
+        """The whole-shard send of the last initialize has completed (once, as above)."""
+        if self._init_send is not None:
+            self._init_send.wait()
+            self._init_send = None
+
     def _run(self) -> None:
         while True:
             item = self._q.get()
@@ -216,6 +230,9 @@ class AORTransport:
                     return
                 work, seq = item
                 work.wait()
+                if seq is INIT:  # the owner's whole shard has landed in the replica
+                    self.replica.valid, self.replica.reason = True, ""
+                    continue
                 self.replica.apply_message(self._recv_buf, seq)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the main thread
                 self._error = exc
@@ -270,6 +287,7 @@ class AORTransport:
     def _resync(self, receive: bool, send: bool, iteration) -> None:
         """Point-to-point full-shard transfer(s) decided identically on both sides of
         each pair (from the gathered checksums); the apply thread is idle (wait())."""
+        self._wait_init_send()  # one whole-shard message on the pair at a time
         works = []
         if receive:
             works.append(dist.irecv(self.replica.buffer, src=self.owner_rank,
@@ -309,7 +327,7 @@ class AORTransport:
         stop, waiting for no peer (one may be dead; the aborted connections wake a
         receive in flight). True when the thread is gone."""
         self._remove_hooks()
-        self._send_work = None
+        self._send_work = self._init_send = None
         if self._thread is not None:
             self._q.put(None)
             if not join_or_warn(self._thread, timeout_s, "the AOR replica thread",
@@ -325,6 +343,7 @@ class AORTransport:
             self._thread.join()
             self._thread = None
         self._wait_send()
+        self._wait_init_send()
         self._remove_hooks()
 
 
