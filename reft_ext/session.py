@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from reft_ext.cluster import inprocess
 from reft_ext.cluster import status as node_status
 from reft_ext.config import ReftConfig
 from reft_ext.load.recover import recover
@@ -337,13 +338,25 @@ class ReftSession(_Trace, Session):
         a, sig = self.adapter, self.snap.signals
         pids = [None] * a.world_size
         torch.distributed.all_gather_object(pids, os.getpid(), group=a.control_group)
-        if sig.leader:
-            if self.restarted_in_process:
-                # the node's watcher of the last generation watches other pids (a
-                # replaced rank's): one watcher per node, of the ranks it has now
-                node_status.kill_watcher(self.cfg.shm_dir, self.cfg.job_id, sig.node)
-            spawn(self.cfg.shm_dir, self.cfg.job_id, sig.node, [pids[r] for r in sig.ranks],
-                  self.cfg.flush_dir, ranks=sig.ranks, hang_timeout=self.cfg.hang_timeout)
+        if not sig.leader:
+            return
+        cfg, mine = self.cfg, [pids[r] for r in sig.ranks]
+        if not inprocess.enabled():  # torchrun: one watcher per start of the workers
+            spawn(cfg.shm_dir, cfg.job_id, sig.node, mine, cfg.flush_dir, ranks=sig.ranks,
+                  hang_timeout=cfg.hang_timeout)
+            return
+        # in-process: the node's watcher stays for the job and is handed each
+        # generation's ranks (no Python start per node beside the first iteration after
+        # a recovery); one is started where the node has none (the first start, a node
+        # whose ranks all died, a spare node)
+        gen = int(os.environ.get(inprocess.ENV_GENERATION, "0"))
+        if node_status.adopt_watcher(cfg.shm_dir, cfg.job_id, sig.node, gen, mine, sig.ranks):
+            return
+        node_status.kill_watcher(cfg.shm_dir, cfg.job_id, sig.node)  # one not adopting
+        # written first: a list a watcher of an earlier generation left is never adopted
+        node_status.write_watch_list(cfg.shm_dir, cfg.job_id, sig.node, gen, mine, sig.ranks)
+        spawn(cfg.shm_dir, cfg.job_id, sig.node, mine, cfg.flush_dir, ranks=sig.ranks,
+              hang_timeout=cfg.hang_timeout, adopt=True)
 
     # ---- every iteration -----------------------------------------------------------
     def before_optimizer_step(self, state) -> None:

@@ -2,6 +2,7 @@
 
     <shm>/reft-<job>-node<n>.meta/status.json   {"node", "ranks", "state", "iteration", ...}
     <shm>/reft-<job>-node<n>.meta/watcher.pid
+    <shm>/reft-<job>-node<n>.meta/watch.json    {"generation", "pids", "ranks"}
 
 In the node's side directory (reft_ext/store/paths.py), next to its shared-memory
 directory, not inside it: a node whose memory is wiped still gets its OFFLINE written by
@@ -34,6 +35,7 @@ STATES = (HEALTHY, SNAP, COMPLETED, UNHEALTHY, OFFLINE, FINISHED)
 
 
 STATUS, WATCHER_PID = "status.json", "watcher.pid"  # in the node's side directory
+WATCH = "watch.json"  # an in-process restart's ranks, for the node's watcher to adopt
 
 
 def path(shm_dir: str, job: str, node: int) -> str:
@@ -128,6 +130,40 @@ def kill_watcher(shm_dir: str, job: str, node: int) -> None:
     remove_side_files(shm_dir, job, node, [WATCHER_PID])
 
 
+def write_watch_list(shm_dir: str, job: str, node: int, generation: int, pids: list[int],
+                     ranks: list[int]) -> None:
+    """The node's ranks of in-process generation ``generation``, for its watcher."""
+    paths.ensure_side_dir(shm_dir, job, node)
+    write_atomic(os.path.join(paths.side_dir(shm_dir, job, node), WATCH),
+                 json.dumps({"generation": generation, "pids": pids, "ranks": ranks}),
+                 per_writer=True)
+
+
+def read_watch_list(shm_dir: str, job: str, node: int) -> dict | None:
+    text = paths.read_private(os.path.join(paths.side_dir(shm_dir, job, node), WATCH))
+    try:
+        rec = json.loads(text) if text else None
+        return rec if isinstance(rec, dict) and {"generation", "pids", "ranks"} <= set(rec) \
+            else None
+    except ValueError:
+        return None
+
+
+def adopt_watcher(shm_dir: str, job: str, node: int, generation: int, pids: list[int],
+                  ranks: list[int]) -> bool:
+    """In-process restart: hand the node's running watcher (one started with --adopt)
+    the ranks of the new generation instead of killing it and starting another (a
+    Python start per node, competing with the first iteration after the recovery).
+    False where there is none to hand them to: the caller starts one. A watcher that
+    adopts only ever flushes once all of its ranks are dead, so with the caller (one of
+    them) alive it cannot be past adopting."""
+    pid = watcher_pid(shm_dir, job, node)
+    if pid is None or not _is_watcher(pid, b"--adopt"):
+        return False
+    write_watch_list(shm_dir, job, node, generation, pids, ranks)
+    return True
+
+
 def remove_side_files(shm_dir: str, job: str, node: int, names: list[str]) -> None:
     """Remove these files of the node's side directory, and the directory once empty;
     nothing in a side directory that is not this user's private one."""
@@ -145,13 +181,15 @@ def remove_side_files(shm_dir: str, job: str, node: int, names: list[str]) -> No
         pass  # other files left (a handover note, the status): it stays
 
 
-def _is_watcher(pid: int) -> bool:
-    """Guard against pid reuse: only ever signal our own watcher module."""
+def _is_watcher(pid: int, flag: bytes = b"") -> bool:
+    """Guard against pid reuse: only ever signal our own watcher module (``flag``: one
+    started with it)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"reft_ext.cluster.watcher" in f.read()
+            argv = f.read().split(b"\0")
     except OSError:
         return False
+    return b"reft_ext.cluster.watcher" in argv and (not flag or flag in argv)
 
 
 def wait_watchers(shm_dir: str, job: str, timeout: float) -> bool:

@@ -28,6 +28,14 @@ a rank silent past its limit is named in one ``[REFT] hang: ...`` line and in th
 status, and SIGKILLed (which works on a stopped process too); from there it is a worker
 death like any other (steps 1-3), with the node's memory intact.
 
+Under the in-process supervisor (``--adopt``) the watcher stays for the job: a rank's
+death makes the node UNHEALTHY, and instead of steps 2-3 the watcher waits for the
+restarted generation's ranks, which the node's first rank hands over through
+``watch.json`` in the side directory (status.adopt_watcher), and watches them. Only when
+every rank of the node has been gone for ADOPT_GRACE_S with no hand-over does it resign
+and flush. (Before, every restart killed each node's watcher and started another: a
+Python start per node beside the first iteration after the recovery.)
+
 When training ends normally the ranks mark the node FINISHED and the watcher just exits.
 Plain Python (no torch): it starts in milliseconds and costs one poll per 0.1 s.
 
@@ -56,6 +64,7 @@ from reft_ext.report.events import emit as reft_emit
 
 POLL_S = 0.1
 QUIESCE_S = 20.0  # torchrun stops the other workers within its own 30 s grace
+ADOPT_GRACE_S = 5.0  # --adopt: how long a node with no rank left waits for the next generation
 FAULT_ENV = "REFT_WATCHER_FAULT"
 FLUSHING = ".flushing"  # rank<r>.flushing in the flush dir: that rank's flush incomplete
 
@@ -226,24 +235,95 @@ def kill_hung(a, hung: list[dict]) -> str:
     return "hang: " + "; ".join(lines)
 
 
-def watch(a) -> int:
-    pids = [int(p) for p in a.pids.split(",")]
-    node_dir = paths.node_dir(a.shm_dir, a.job, a.node)
-    ranks = [int(r) for r in a.ranks.split(",")] if a.ranks else []
-    hangs = heartbeat.HangMonitor(node_dir, ranks, pids, a.hang_timeout) \
-        if a.hang_timeout > 0 and ranks else None
-    cause = ""
-    while all(alive(p) for p in pids):
-        hung = hangs.check() if hangs is not None else []
-        if hung:
-            cause = kill_hung(a, hung)
+def _await_adoption(a, w, node_dir: str, cause: str) -> bool:
+    """--adopt, a rank died (or was killed as hung) and its node's memory is intact: the
+    in-process supervisor restarts the generation, and its ranks hand themselves over.
+    True once they have (watch again). False when every rank of the node has been gone
+    for ADOPT_GRACE_S with no hand-over (the job is ending, or the node's ranks went to
+    another node): the watcher resigns (its pid file goes, so a later generation starts
+    a watcher of its own) and flushes as before."""
+    rec = status.read(a.shm_dir, a.job, a.node) or {}
+    if rec.get("state") == status.FINISHED or not os.path.isdir(node_dir):
+        return False
+    dead = [p for p in w.pids if not alive(p)]
+    status.write(a.shm_dir, a.job, a.node, status.UNHEALTHY,
+                 detail=f"{cause or f'worker(s) {dead} died'}; node memory intact")
+    deadline = None
+    while True:
+        if w.adopted():
+            return True
+        if any(alive(p) for p in w.pids):
+            deadline = None
+        elif deadline is None:
+            deadline = time.monotonic() + ADOPT_GRACE_S
+        elif time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
+    status.remove_side_files(a.shm_dir, a.job, a.node, [status.WATCHER_PID])
+    if w.adopted():  # handed over in the instant before: watch on, under its pid again
+        status.write_watcher_pid(a.shm_dir, a.job, a.node, os.getpid())
+        return True
+    return False
+
+
+class _Watched:
+    """The node's ranks being watched. ``--adopt`` (under the in-process supervisor): an
+    in-process restart hands the next generation's ranks over through the side
+    directory's watch list (status.adopt_watcher) instead of starting another watcher."""
+
+    def __init__(self, a):
+        self.a = a
+        self.node_dir = paths.node_dir(a.shm_dir, a.job, a.node)
+        self.generation = -1
+        self.set([int(p) for p in a.pids.split(",")],
+                 [int(r) for r in a.ranks.split(",")] if a.ranks else [])
+        self._seen = None  # the watch list's (mtime, size) last read
+
+    def set(self, pids: list[int], ranks: list[int]) -> None:
+        self.pids = pids
+        self.hangs = heartbeat.HangMonitor(self.node_dir, ranks, pids, self.a.hang_timeout) \
+            if self.a.hang_timeout > 0 and ranks else None
+
+    def adopted(self) -> bool:
+        """A newer generation's ranks were handed over (now watched)."""
+        if not self.a.adopt:
+            return False
+        try:  # one stat per poll; read only when it changed
+            st = os.stat(os.path.join(paths.side_dir(self.a.shm_dir, self.a.job, self.a.node),
+                                      status.WATCH))
+        except OSError:
+            return False
+        if (st.st_mtime_ns, st.st_size) == self._seen:
+            return False
+        self._seen = (st.st_mtime_ns, st.st_size)
+        rec = status.read_watch_list(self.a.shm_dir, self.a.job, self.a.node)
+        if rec is None or int(rec["generation"]) <= self.generation:
+            return False
+        self.generation = int(rec["generation"])
+        self.set([int(p) for p in rec["pids"]], [int(r) for r in rec["ranks"]])
+        return True
+
+
+def watch(a) -> int:
+    w = _Watched(a)
+    node_dir = w.node_dir
+    while True:
+        cause = ""
+        while all(alive(p) for p in w.pids):
+            hung = w.hangs.check() if w.hangs is not None else []
+            if hung:
+                cause = kill_hung(a, hung)
+                break
+            w.adopted()
+            time.sleep(POLL_S)
+        if not (a.adopt and _await_adoption(a, w, node_dir, cause)):
+            break
+    pids = w.pids
     rec = status.read(a.shm_dir, a.job, a.node) or {}
     if rec.get("state") == status.FINISHED:
         if not os.path.isdir(node_dir):  # snapshots removed at the end: nothing to show
             status.remove_side_files(a.shm_dir, a.job, a.node,
-                                     [status.STATUS, status.WATCHER_PID])
+                                     [status.STATUS, status.WATCHER_PID, status.WATCH])
         return 0
     dead = [p for p in pids if not alive(p)]
     if not os.path.isdir(node_dir):
@@ -279,9 +359,11 @@ def watch(a) -> int:
 
 
 def spawn(shm_dir: str, job: str, node: int, pids: list[int], flush_dir: str,
-          ranks: list[int] | None = None, hang_timeout: float = 0.0) -> int:
+          ranks: list[int] | None = None, hang_timeout: float = 0.0,
+          adopt: bool = False) -> int:
     """Start the node's watcher in its own session; returns its pid. ``ranks`` (the
-    global ranks of ``pids``, same order) and ``hang_timeout`` > 0 turn on hang detection."""
+    global ranks of ``pids``, same order) and ``hang_timeout`` > 0 turn on hang detection;
+    ``adopt``: in-process restarts hand it their ranks (status.adopt_watcher)."""
     paths.ensure_side_dir(shm_dir, job, node)  # refused before anything starts
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -289,7 +371,8 @@ def spawn(shm_dir: str, job: str, node: int, pids: list[int], flush_dir: str,
     p = subprocess.Popen(
         [sys.executable, "-m", "reft_ext.cluster.watcher", "--shm-dir", shm_dir, "--job", job,
          "--node", str(node), "--pids", ",".join(map(str, pids)), "--flush-dir", flush_dir,
-         "--ranks", ",".join(map(str, ranks or [])), "--hang-timeout", str(hang_timeout)],
+         "--ranks", ",".join(map(str, ranks or [])), "--hang-timeout", str(hang_timeout),
+         *(["--adopt"] if adopt else [])],
         env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         status.write_watcher_pid(shm_dir, job, node, p.pid)
@@ -310,6 +393,9 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", default="", help="global ranks of --pids (hang detection)")
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="seconds without a heartbeat before a rank counts as hung (0 = off)")
+    p.add_argument("--adopt", action="store_true",
+                   help="in-process restarts hand this watcher their ranks (watch.json in "
+                        "the side directory); it flushes only once all its ranks are gone")
     return watch(p.parse_args(argv))
 
 

@@ -160,3 +160,45 @@ def test_flush_dir_flag_defaults_under_save():
     assert ReftConfig.from_args(args).flush_dir == ""
     with pytest.raises(ReftConfigError, match="^--reft-flush-dir:"):
         ReftConfig(flush_dir=__file__)
+
+
+def _sleeper():
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def _until(cond, timeout=10.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_adopting_watcher_follows_in_process_generations(tmp_path):
+    """--adopt (the in-process supervisor's restarts): one watcher for the job. A rank's
+    death makes the node UNHEALTHY without a flush while the others live; the next
+    generation's ranks are handed over (status.adopt_watcher) and watched; once every rank is gone with no hand-over the watcher
+    resigns (its pid file goes) and flushes."""
+    d, job, flush = str(tmp_path), "wa", str(tmp_path / "flush")
+    _fake_slot(node_dir(d, job, 0), 0, 0, 3, b"x" * 32)
+    a, b = _sleeper(), _sleeper()
+    status.write_watch_list(d, job, 0, 0, [a.pid, b.pid], [0, 1])
+    pid = watcher.spawn(d, job, 0, [a.pid, b.pid], flush, ranks=[0, 1], adopt=True)
+    a.kill()
+    a.wait()
+    _until(lambda: (status.read(d, job, 0) or {}).get("state") == "UNHEALTHY")
+    assert status.watcher_pid(d, job, 0) == pid and not os.path.exists(flush)
+    c = _sleeper()  # the replacement of rank 0
+    assert status.adopt_watcher(d, job, 0, 1, [c.pid, b.pid], [0, 1])
+    c.kill()
+    c.wait()  # a death in generation 1: still the same watcher, no flush
+    _until(lambda: "died" in (status.read(d, job, 0) or {}).get("detail", "")
+           and str(c.pid) in status.read(d, job, 0)["detail"])
+    assert status.watcher_pid(d, job, 0) == pid and not os.path.exists(flush)
+    b.kill()
+    b.wait()  # the node's last rank: no generation comes, it resigns and flushes
+    _wait_gone(d, job, timeout=30)
+    assert status.watcher_pid(d, job, 0) is None
+    assert os.path.exists(os.path.join(flush, "rank0.slot0.json"))
+    # a node with no adopting watcher is told so: the caller starts one
+    assert not status.adopt_watcher(d, job, 0, 2, [os.getpid()], [0])
