@@ -279,7 +279,7 @@ def restart_in_process(trainer, failure: str) -> None:
     except Exception as exc:  # noqa: BLE001 - this process cannot go on: replaced
         raise RestartError(f"leaving generation {g} failed: {exc!r}") from exc
     t_abort = time.time()
-    gen.next_generation(timeout_s=60.0 * args.distributed_timeout_minutes)
+    gen.next_generation(timeout_s=60.0 * args.distributed_timeout_minutes, trained=at)
     t_gen = time.time()
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if persistent():  # the same group objects, generation g + 1's communicators
@@ -303,8 +303,10 @@ def restart_in_process(trainer, failure: str) -> None:
     trainer._join()  # REFT-load (own memory; peers' for the replacements), run id, data
     if getattr(trainer.reft, "enabled", False):
         trainer.reft.restarted_in_process = True
-    if s.iteration == 0 and at > 0:
-        # nothing restorable: a survivor cannot re-create a fresh model bit for bit
+    if not trainer.restored and at > 0:
+        # nothing restorable: a survivor cannot re-create a fresh model bit for bit, and
+        # its live state is not the replacements' (nor whole, if the failure came
+        # inside a step): every rank starts again from scratch, as a new process
         raise RestartError("no state to roll back to (no snapshot committed yet, no "
                            "--load): this rank restarts as a new process")
     if not persistent():

@@ -31,6 +31,13 @@ def rejoining() -> bool:
     return _gen is not None and _gen.gen >= 1
 
 
+def replacing_trained_ranks() -> bool:
+    """A replacement joining survivors that had trained (Generation.survivors_trained):
+    its weight initialisation is skipped (seconds for a large model, every byte
+    overwritten by the restore)."""
+    return _gen is not None and _gen.survivors_trained()
+
+
 def store_kwargs(timeout) -> dict:
     """init_process_group's store/rank/world under the in-process supervisor, else {}."""
     global _gen

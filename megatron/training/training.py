@@ -125,6 +125,14 @@ class Trainer:
         print_rank_0(format_args_table(args))
         self.timers = Timers(log_level=0, log_option="minmax")
         self.config = llama_model.transformer_config(args)
+        # a replacement joining ranks that had trained: the state comes back from host
+        # memory or --load, or this generation ends (_join checks which)
+        self.init_skipped = inprocess_generation.replacing_trained_ranks()
+        if self.init_skipped:
+            self.config.perform_initialization = False
+            print(f"[inprocess] rank {torch.distributed.get_rank()}: weights not "
+                  f"initialised (the ranks it joins had trained: they are restored)",
+                  flush=True)
         if (args.save or args.load) and not torch.cuda.is_available():
             # the checkpoint writers' fork-context Manager (checkpointing.py), forked now
             # while this process is small: forked once the model and optimizer exist,
@@ -194,14 +202,23 @@ class Trainer:
         order on every rank): REFT's session and the newest state, the run id, the data.
         A fresh process and a survivor of an in-process restart both come through here."""
         self.ckpt = Checkpointer(self.args) if (self.args.save or self.args.load) else None
-        self._load()
+        self.restored = restored = self._load()
+        if self.init_skipped and not restored:
+            from reft_ext.cluster.inprocess import RestartError
+
+            # the survivors found nothing either and restart as new processes; so does
+            # this one, whose weights were never initialised
+            raise RestartError("nothing restored into a replacement whose weights were not "
+                               "initialised: this rank restarts as a new process")
+        self.init_skipped = False  # (a later generation of this process restores anew)
         self._name_run()
         self.marks.append(("load", time.time()))
         self._build_data()
         self.marks.append(("data", time.time()))
 
-    def _load(self):
-        """Newest valid state across both tiers: host memory (REFT), then --load."""
+    def _load(self) -> bool:
+        """Newest valid state across both tiers: host memory (REFT), then --load; False
+        when neither had any."""
         from megatron.training import reft_integration
 
         args = self.args
@@ -215,13 +232,14 @@ class Trainer:
 
             persistent = read_tracker(args.load)
         if self.reft.recover(persistent) is not None:
-            return
+            return True
         if args.load and self.ckpt.load(self.state):
             self.reft.recovered_from_checkpoint(args.load)
-            return
+            return True
         if self.reft.enabled or args.load:
             print_rank_0("no saved state found (host memory or --load): starting from "
                          "scratch at iteration 0")
+        return False
 
     def _name_run(self) -> None:
         """A run id made at the first start and kept in the state (snapshots, flushed

@@ -269,16 +269,17 @@ class Generation:
         os._exit(EXIT_UNSAFE_ABORT)
 
     # ---- the next generation --------------------------------------------------------
-    def next_generation(self, timeout_s: float) -> int:
+    def next_generation(self, timeout_s: float, trained: int = 0) -> int:
         """Report this rank ready (its groups torn down) and wait until the supervisor
-        publishes a newer generation; returns it."""
+        publishes a newer generation; returns it. ``trained``: the iterations this rank
+        had done (a replacement reads it: :meth:`survivors_trained`)."""
         if self._watcher is not None:
             self._watcher.stop(self.store)
             self._watcher = None
         old = self.gen
         self.request_abort("restart")  # in case this rank was the first to notice
         k = key("ready", old, self.rank)
-        self.store.set(k, sign(self.secret, k, str(os.getpid()), old))
+        self.store.set(k, sign(self.secret, k, f"{os.getpid()} {int(trained)}", old))
         notify(self.store)
         deadline = time.monotonic() + timeout_s
         waited = False
@@ -299,6 +300,25 @@ class Generation:
             waited = True
         raise RestartError(f"no generation after {old} within {timeout_s:.0f} s "
                            f"(the supervisor is gone?)")
+
+    def survivors_trained(self) -> bool:
+        """(A replacement, in generation g >= 1) did a rank that keeps its process into
+        this generation have trained (its ready mark of g - 1 says so)? Such a rank
+        rolls back to committed state or, finding none, restarts as a new process
+        (megatron/training/inprocess.py), so this generation's model is restored from
+        host memory or --load as a whole, or this generation ends: the replacement's
+        weight initialisation would be overwritten or thrown away."""
+        if self.gen < 1:
+            return False
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            v = read_signed(self.store, self.secret, key("ready", self.gen - 1, r),
+                            self.gen - 1)
+            parts = (v or "").split()
+            if len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
+                return True
+        return False
 
     def published(self) -> int | None:
         """The generation the supervisor published last (None: no valid ``gen``)."""

@@ -79,6 +79,10 @@ def test_crash_then_a_failure_during_the_recovery(tmp_path, reference_runs):
     # both spares made the tokenizer and the datasets before they had a rank
     assert len(re.findall(r"worker \d+: prepared tokenizer NullTokenizer, datasets in",
                           run.output)) >= 2, run.output[-6000:]
+    # the replacements joined ranks that had trained: no weight initialisation (the
+    # restore overwrites every byte; the bit-exact end below says it did)
+    assert set(re.findall(r"\[inprocess\] rank (\d): weights not initialised",
+                          run.output)) == {"1", "2"}, run.output[-6000:]
     # the survivors of both failures left generations 0 and 1 (the second failure cut
     # the first recovery short) and finished the restart as generation 2, all in the
     # processes they started with
@@ -170,4 +174,30 @@ def test_restart_in_process_without_reft_resumes_from_the_checkpoint(tmp_path, r
     assert {e["rank"] for e in restarts(run)} == {0, 2, 3}
     assert all(e["pid"] == first_pids[e["rank"]] for e in restarts(run))
     assert {e["iteration"] for e in restarts(run)} == {4}
+    # the replacement skipped its weight initialisation: the checkpoint restored it
+    assert "[inprocess] rank 1: weights not initialised" in run.output
+    assert_exact(run, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_nothing_to_roll_back_to_restarts_every_rank_from_scratch(tmp_path, reference_runs):
+    """No snapshot, no --load: rank 1 dies in iteration 3. The survivors find nothing
+    to roll back to and restart as new processes; so does the replacement, which skipped
+    its weight initialisation because they had trained (nothing restored it). In the
+    generation after, every rank is a fresh process that initialises its weights, and
+    the job trains from iteration 0 to the failure-free run's end, bit for bit."""
+    ref = reference_runs("pp2dp2-zero1", 4, REF)
+    args = [*REF, "--reft-snapshot-every", "0", "--reft-restart", "in-process",
+            "--inject-fault", "1:3"]
+    with launch(tmp_path, args, spares=4) as L:
+        run = finish(L)
+        history = list(L.history)
+    assert run.returncode == 0, run.output[-6000:]
+    assert re.search(r"\[FAULT\] injecting SIGKILL into rank 1 .* iteration 3", run.output)
+    assert "[inprocess] rank 1: weights not initialised" in run.output
+    assert "nothing restored into a replacement whose weights were not initialised" \
+        in run.output
+    assert len(re.findall(r"weights not initialised", run.output)) == 1
+    assert [h["dead"] for h in history][:2] == [[1], [0, 1, 2, 3]], history
     assert_exact(run, ref)
