@@ -4,7 +4,16 @@
         --pipeline-model-parallel-size 2 --use-distributed-optimizer --mock-data ...
 """
 
+import os
 import sys
+
+# torch's CPU allocator backs tensors of 2 MiB and more with transparent huge pages
+# (madvise): first touches fault 2 MiB at a time (a rejoin's received state, every
+# iteration's activations), and a dead rank's address space is torn down in ms rather
+# than the 0.1-0.2 s per GB that delays its peers' "connection closed" (docs/nodes.md).
+# Read at torch's first allocation: set before it is imported; THP_MEM_ALLOC_ENABLE=0
+# keeps 4 KiB pages.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from megatron.training.arguments import ArgumentError, parse_args
 

@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     if not rest:
         p.error("give the training script after '--'")
     _die_with_parent()
+    # the trainer's default (pretrain_llama.py), before the preload imports torch
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     t0 = time.time()
     prepares = []
     for entry in filter(None, a.preload.split(",")):

@@ -25,6 +25,7 @@ import torch
 from reft_ext import _native
 from reft_ext.load.errors import RecoveryError
 from reft_ext.load.fused import load_verified
+from reft_ext.load import preverify
 from reft_ext.load.inventory import take_inventory
 from reft_ext.load.received import Received, outgoing
 from reft_ext.load.planning import (GroupPlan, RecoveryPlan, needs_full_verify,
@@ -165,8 +166,10 @@ def _agree(v: SnapshotView, manifests: dict, persistent: int | None,
     """Rounds 1 (and, where the decision depends on what it left unverified, 2) of
     inventory + plan: (plan or the RecoveryError, every rank's inventory)."""
     fmt, facts = v.slot_format, v.facts
+    early = preverify.take((v.store.dir, v.store.rank))  # begun at an in-process restart's abandon
+    verify = v.store.verify if early is None else early.verify(v.store.verify)
     for verify_all in (False, True):
-        mine = take_inventory(manifests, fmt, verify_all, v.store.verify,
+        mine = take_inventory(manifests, fmt, verify_all, verify,
                               lambda slot, m: _fuse(v, slot, m), fused, max_iteration)
         inventories = [None] * v.world_size
         torch.distributed.all_gather_object(inventories, mine, group=v.control_group)

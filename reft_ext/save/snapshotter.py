@@ -23,6 +23,8 @@ from reft_ext import _native
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
 from reft_ext.copy.staging import DeviceToHost, Readahead
+from reft_ext.load import preverify
+from reft_ext.load.inventory import SlotFormat
 from reft_ext.state.layout import StateLayout
 from reft_ext.state.regions import Region
 from reft_ext.protect.placement import check_placement, place
@@ -173,6 +175,7 @@ class ReftSnapshotter:
         (a holder whose restored snapshot already has its owner's keeps it). The job's
         snapshot bytes (the snapshot line's figure) are summed once here, at start-up,
         not at every commit."""
+        preverify.discard()  # checksums begun at an abandon, not taken by a REFT-load
         total = torch.tensor([self.nbytes], dtype=torch.int64)
         torch.distributed.all_reduce(total, group=self.a.control_group)
         self.job_nbytes = int(total.item())
@@ -376,7 +379,14 @@ class ReftSnapshotter:
         if self.stager is not None:
             self.stager.close()
         if aor_done:  # an AOR thread still applying a message must not lose its mapping
-            self.store.hand_over()  # still mapped for the next session of this process
+            # the REFT-load that follows: its first round's checksums begun now, while
+            # the job re-forms (reft_ext/load/preverify.py)
+            early = preverify.start((self.store.dir, self.store.rank), self.store.manifests(),
+                                    SlotFormat(self.layout.signature(), self.nbytes,
+                                               self.protection.name),
+                                    self.store.mapped(self.nbytes))
+            # still mapped for the next session of this process (which waits for early)
+            self.store.hand_over(reader=early.thread)
 
     def close(self, remove: bool) -> None:
         self.flush()

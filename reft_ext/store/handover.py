@@ -6,7 +6,10 @@ them and attaching them again maps every page again (``MAP_POPULATE``: 0.45 s fo
 three slots of a 24-layer rank on this host, on the survivors' path to REFT-load). So
 the abandoned store hands its open segments over here, and the new store claims each by
 its path instead of attaching it; what is not claimed once the new store has reserved
-its segments is closed (:func:`release`).
+its segments is closed (:func:`release`). A thread may still read the handed-over
+mappings (REFT-load's first checksums, begun at the abandon: reft_ext/load/preverify.py):
+a claim or a release waits for it, since the claimer may resize a mapping and a release
+unmaps it.
 
 A claim checks that the path still names the file that was mapped (device and inode
 of a fresh ``lstat``, a regular file of this user): a segment removed or replaced in the
@@ -23,10 +26,14 @@ from reft_ext.store.shm import ShmSegment
 
 _handed: dict[str, ShmSegment] = {}
 _lock = threading.Lock()
+_reader: threading.Thread | None = None  # still reading the handed-over mappings
 
 
-def hand_over(segments) -> None:
-    """Keep these open segments (of an abandoned store) for this process's next store."""
+def hand_over(segments, reader: threading.Thread | None = None) -> None:
+    """Keep these open segments (of an abandoned store) for this process's next store;
+    ``reader``: a thread still reading them, waited for before any is claimed or closed."""
+    global _reader
+    _reader = reader
     with _lock:
         for seg in segments:
             old = _handed.pop(seg.path, None)
@@ -38,6 +45,7 @@ def hand_over(segments) -> None:
 def claim(path: str) -> ShmSegment | None:
     """The handed-over segment mapped from ``path`` if the path still names that file,
     else None (a stale one is closed)."""
+    _wait_reader()
     with _lock:
         seg = _handed.pop(path, None)
     if seg is None:
@@ -56,12 +64,20 @@ def claim(path: str) -> ShmSegment | None:
 
 def release() -> int:
     """Close what no new store claimed; returns how many."""
+    _wait_reader()
     with _lock:
         left = list(_handed.values())
         _handed.clear()
     for seg in left:
         seg.close()
     return len(left)
+
+
+def _wait_reader() -> None:
+    global _reader
+    r, _reader = _reader, None
+    if r is not None:
+        r.join()
 
 
 def held() -> int:

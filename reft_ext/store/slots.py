@@ -119,6 +119,13 @@ def read_sealed(path: str) -> tuple[dict | None, str | None]:
     return obj, None
 
 
+def region_verified(data: torch.Tensor, manifest: dict, region: str) -> bool:
+    """Does ``region`` of a slot's bytes (``data``) have the checksum its manifest
+    recorded when it was written?"""
+    off, n, crc = manifest["regions"][region]
+    return n == 0 or checksum(data[off:off + n], manifest.get("checksum", "crc32")) == crc
+
+
 class SnapshotStore:
     def __init__(self, job_id: str, node: int, rank: int, base_dir: str, slots: int = 2):
         if slots < 2:
@@ -348,17 +355,21 @@ class SnapshotStore:
                 out[slot] = m
         return out
 
+    def mapped(self, nbytes: int) -> dict[int, torch.Tensor]:
+        """slot -> its first ``nbytes``, for the slots this store has mapped now (nothing
+        is created or attached here)."""
+        return {k: seg.tensor(torch.uint8, 0, nbytes) for k, seg in list(self._segs.items())
+                if k in self.slots and seg.nbytes >= nbytes}
+
     def data(self, slot: int, nbytes: int) -> torch.Tensor:
         return self._segment(slot, nbytes).tensor(torch.uint8, 0, nbytes)
 
     def verify(self, slot: int, manifest: dict, region: str) -> bool:
         """Does region's checksum still match what its owner computed from the source?"""
-        off, n, crc = manifest["regions"][region]
-        if n == 0:
+        if manifest["regions"][region][1] == 0:
             return True
         try:
-            view = self.data(slot, manifest["nbytes"])[off:off + n]
-            return checksum(view, manifest.get("checksum", "crc32")) == crc
+            return region_verified(self.data(slot, manifest["nbytes"]), manifest, region)
         except (OSError, ValueError):
             return False
 
@@ -368,12 +379,12 @@ class SnapshotStore:
             seg.close()
         self._segs.clear()
 
-    def hand_over(self) -> None:
+    def hand_over(self, reader=None) -> None:
         """A failed generation (in-process restart): the segments stay mapped for the
         next store of this process, which claims them instead of mapping them again
-        (reft_ext/store/handover.py)."""
+        (reft_ext/store/handover.py); ``reader``: a thread still reading them."""
         self._settle()
-        handover.hand_over(self._segs.values())
+        handover.hand_over(self._segs.values(), reader)
         self._segs.clear()
 
     def remove(self) -> None:
