@@ -185,6 +185,7 @@ class ReftSnapshotter:
             self.aor.initialize(seed=seed)
             record("aor_initialized", owner=self.aor.owner_rank, seeded=seed is not None,
                    kept=self.aor.kept, ms=1e3 * (time.perf_counter() - t0))
+        self.store.release_slots()  # slots not made yet: from now, beside training
 
     def aor_seed(self) -> torch.Tensor | None:
         """After a REFT-load: the AOR region of the snapshot this rank restored (its

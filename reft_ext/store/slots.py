@@ -141,6 +141,10 @@ class SnapshotStore:
         self._made: dict = {}
         self._made_lock = threading.Lock()
         self._creator_error: BaseException | None = None
+        # the thread makes the named buffers, then waits for this before the slots
+        # (release_slots: the caller's recovery and start are done)
+        self._slots_go = threading.Event()
+        self._slots_skip = False  # settled before the release: the slots are not made
         self._reported: set = set()  # (path, why) already said: one line per bad file
         # page-lock the slots (state on a GPU: the D2H lands in the slot, asynchronously);
         # a slot made by the background reservation is locked there, others at begin()
@@ -222,7 +226,10 @@ class SnapshotStore:
         ``background``: the segments that do not exist yet (a fresh start, or a
         replacement whose failure domain was lost: over a GB of pages to allocate and
         map) are created by a thread while the caller goes on (its REFT-load reads only
-        existing segments); the first use of one waits for it, and raises its error."""
+        existing segments); the first use of one waits for it, and raises its error.
+        The thread makes the buffers at once and the slots after :meth:`release_slots`
+        (a replacement's 1.7 GB of slots on the lost-node job took a core from its
+        recovery and start-up; a snapshot needs them only an iteration later)."""
         # the buffers first: the live AOR replica is needed before the first step, the
         # slots only at the first snapshot
         want = [(name, self._buffer_name(name), n) for name, n in (buffers or {}).items()]
@@ -245,9 +252,17 @@ class SnapshotStore:
                                          name="reft-shm-reserve", daemon=True)
         self._creator.start()
 
+    def release_slots(self) -> None:
+        """The background reservation may make the slots now (see :meth:`reserve`)."""
+        self._slots_go.set()
+
     def _create_all(self, todo: list) -> None:
         try:
             for key, fname, n in todo:
+                if key in self.slots:
+                    self._slots_go.wait()
+                    if self._slots_skip:  # made at a first use, if any comes
+                        return
                 seg = ShmSegment.create(self.job, fname, max(n, 1), base_dir=self.base_dir)
                 if self.pin_slots and key in self.slots:
                     self._page_lock(seg)  # seconds for GBs: here, not at the first snapshot
@@ -269,6 +284,8 @@ class SnapshotStore:
         made it (each is published as soon as it is), or raise the thread's error."""
         if key not in self._pending:
             return
+        if key in self.slots:
+            self.release_slots()  # a first use before the release: made now
         while self._creator.is_alive():
             if self._take_made(key):
                 return
@@ -283,6 +300,9 @@ class SnapshotStore:
     def _settle(self) -> None:
         """The background reservation is over: what it made joins the open segments."""
         if self._creator is not None:
+            if not self._slots_go.is_set():  # never released (a start that failed)
+                self._slots_skip = True
+                self._slots_go.set()
             self._creator.join()
         with self._made_lock:
             self._segs.update(self._made)
