@@ -594,7 +594,7 @@ def _exists(path: str) -> bool:
     if m:
         return all(_exists(path[:m.start()] + alt + path[m.end():])
                    for alt in m.group(1).split(","))
-    if re.fullmatch(r"data/\w+_text_document", path):  # built from the JSONL on first use
+    if re.fullmatch(r"data/\w+_text_document(\.bin|\.idx)?", path):  # built on first use
         return True
     roots = [REPO]
     if path.startswith("megatron/core"):  # megatron-core's own sources, installed
