@@ -31,7 +31,9 @@ import torch
 from reft_ext.cluster import inprocess
 from reft_ext.cluster import status as node_status
 from reft_ext.config import ReftConfig
+from reft_ext.load import preverify
 from reft_ext.load.recover import recover
+from reft_ext.load.view import SnapshotView
 from reft_ext.load.rollback import (RollbackConfig, RollbackError, SpikeDetector,
                                     batches_to_skip)
 from reft_ext.report import summary
@@ -319,6 +321,7 @@ class ReftSession(_Trace, Session):
         self.count_recovery("the persistent checkpoint")
 
     def on_start(self, state) -> None:
+        preverify.discard()  # checksums begun at an abandon that no REFT-load took
         self.snap.start()  # AOR: every holder gets its owner's (restored) shard
         if self.cfg.hang_timeout > 0:  # before the watcher reads it; armed after 1 iteration
             from reft_ext.cluster.heartbeat import Heartbeat
@@ -528,7 +531,14 @@ class ReftSession(_Trace, Session):
         if self.heartbeat is not None:
             self.heartbeat.pause()
             self.heartbeat.close()
-        self.snap.abandon()
+        self.snap.abandon(self._preverify)
+
+    def _preverify(self, store):
+        """At the abandon: the next REFT-load's first checksums, begun on a thread while
+        the job re-forms (reft_ext/load/preverify.py); the thread, for the hand-over."""
+        fmt = SnapshotView.of(self.snap).slot_format
+        return preverify.start((store.dir, store.rank), store.manifests(), fmt,
+                               store.mapped(self.snap.nbytes)).thread
 
     def close(self) -> None:
         """The snapshots' segments unmapped, and removed unless --reft-keep-snapshots."""

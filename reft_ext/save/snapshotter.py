@@ -23,8 +23,6 @@ from reft_ext import _native
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
 from reft_ext.copy.staging import DeviceToHost, Readahead
-from reft_ext.load import preverify
-from reft_ext.load.inventory import SlotFormat
 from reft_ext.state.layout import StateLayout
 from reft_ext.state.regions import Region
 from reft_ext.protect.placement import check_placement, place
@@ -175,7 +173,6 @@ class ReftSnapshotter:
         (a holder whose restored snapshot already has its owner's keeps it). The job's
         snapshot bytes (the snapshot line's figure) are summed once here, at start-up,
         not at every commit."""
-        preverify.discard()  # checksums begun at an abandon, not taken by a REFT-load
         total = torch.tensor([self.nbytes], dtype=torch.int64)
         torch.distributed.all_reduce(total, group=self.a.control_group)
         self.job_nbytes = int(total.item())
@@ -367,11 +364,13 @@ class ReftSnapshotter:
         self.log.interval(self._what(), self.schedule.name if self.log.tiers else None,
                           maxima)
 
-    def abandon(self) -> None:
+    def abandon(self, reader=None) -> None:
         """A failed generation (in-process restart): the snapshot in flight is dropped
         uncommitted (its slot was never the committed one), no peer is waited for, the
         threads stop and the segments are kept, mapped, for the next session of this
-        process: the committed snapshot in them is what this rank rolls back to."""
+        process: the committed snapshot in them is what this rank rolls back to.
+        ``reader(store)``: called once nothing writes the slots any more, before the
+        hand-over; the thread it may return still reads them (the next store waits)."""
         self.pending = None
         self.schedule.close()
         aor_done = self.aor is None or self.aor.abandon()
@@ -380,14 +379,8 @@ class ReftSnapshotter:
         if self.stager is not None:
             self.stager.close()
         if aor_done:  # an AOR thread still applying a message must not lose its mapping
-            # the REFT-load that follows: its first round's checksums begun now, while
-            # the job re-forms (reft_ext/load/preverify.py)
-            early = preverify.start((self.store.dir, self.store.rank), self.store.manifests(),
-                                    SlotFormat(self.layout.signature(), self.nbytes,
-                                               self.protection.name),
-                                    self.store.mapped(self.nbytes))
-            # still mapped for the next session of this process (which waits for early)
-            self.store.hand_over(reader=early.thread)
+            # still mapped for the next session of this process
+            self.store.hand_over(reader=reader(self.store) if reader else None)
 
     def close(self, remove: bool) -> None:
         self.flush()
