@@ -36,6 +36,8 @@ STATES = (HEALTHY, SNAP, COMPLETED, UNHEALTHY, OFFLINE, FINISHED)
 
 STATUS, WATCHER_PID = "status.json", "watcher.pid"  # in the node's side directory
 WATCH = "watch.json"  # an in-process restart's ranks, for the node's watcher to adopt
+# a watcher that resigned (no pid file: nothing adopts it) and is still flushing
+FLUSHING = "watcher.flushing"
 
 
 def path(shm_dir: str, job: str, node: int) -> str:
@@ -101,11 +103,18 @@ def _read_pid(p: str) -> int | None:
         return None
 
 
-def write_watcher_pid(shm_dir: str, job: str, node: int, pid: int) -> str:
+def write_watcher_pid(shm_dir: str, job: str, node: int, pid: int,
+                      name: str = WATCHER_PID) -> str:
     paths.ensure_side_dir(shm_dir, job, node)
-    p = watcher_pid_path(shm_dir, job, node)
+    p = paths.node_file(shm_dir, job, node, name)
     write_atomic(p, str(pid), per_writer=True)
     return p
+
+
+def remove_flushing(shm_dir: str, job: str, node: int, pid: int) -> None:
+    """The resigned watcher ``pid`` has flushed: its FLUSHING file goes (not another's)."""
+    if _read_pid(paths.node_file(shm_dir, job, node, FLUSHING)) == pid:
+        remove_side_files(shm_dir, job, node, [FLUSHING])
 
 
 def watcher_pid(shm_dir: str, job: str, node: int) -> int | None:
@@ -193,12 +202,13 @@ def _is_watcher(pid: int, flag: bytes = b"") -> bool:
 
 
 def wait_watchers(shm_dir: str, job: str, timeout: float) -> bool:
-    """Wait until no watcher of the job runs (they exit after flushing)."""
+    """Wait until no watcher of the job runs (they exit after flushing; one that
+    resigned flushes under its FLUSHING file)."""
     deadline = time.time() + timeout
-    pattern = paths.side_glob(shm_dir, job, WATCHER_PID)
+    patterns = [paths.side_glob(shm_dir, job, n) for n in (WATCHER_PID, FLUSHING)]
     while time.time() < deadline:
         alive = []
-        for p in glob.glob(pattern):
+        for p in [f for pat in patterns for f in glob.glob(pat)]:
             pid = _read_pid(p)
             if pid is not None and pid > 0 and _is_watcher(pid):
                 alive.append(pid)

@@ -259,9 +259,12 @@ def _await_adoption(a, w, node_dir: str, cause: str) -> bool:
         elif time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
+    # what waits for the node's flush (status.wait_watchers) still finds this process
+    status.write_watcher_pid(a.shm_dir, a.job, a.node, os.getpid(), status.FLUSHING)
     status.remove_side_files(a.shm_dir, a.job, a.node, [status.WATCHER_PID])
     if w.adopted():  # handed over in the instant before: watch on, under its pid again
         status.write_watcher_pid(a.shm_dir, a.job, a.node, os.getpid())
+        status.remove_side_files(a.shm_dir, a.job, a.node, [status.FLUSHING])
         return True
     return False
 
@@ -396,7 +399,11 @@ def main(argv=None) -> int:
     p.add_argument("--adopt", action="store_true",
                    help="in-process restarts hand this watcher their ranks (watch.json in "
                         "the side directory); it flushes only once all its ranks are gone")
-    return watch(p.parse_args(argv))
+    a = p.parse_args(argv)
+    try:
+        return watch(a)
+    finally:  # a resigned watcher's flush is over (status.wait_watchers)
+        status.remove_flushing(a.shm_dir, a.job, a.node, os.getpid())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 torchrun): status files, flush of complete slots only, import only when newer, the
 watcher process reacting to a dead worker, and the launcher's bad-flag messages."""
 
+import glob
 import json
 import os
 import shutil
@@ -197,8 +198,9 @@ def test_adopting_watcher_follows_in_process_generations(tmp_path):
     assert status.watcher_pid(d, job, 0) == pid and not os.path.exists(flush)
     b.kill()
     b.wait()  # the node's last rank: no generation comes, it resigns and flushes
-    _wait_gone(d, job, timeout=30)
-    assert status.watcher_pid(d, job, 0) is None
+    _until(lambda: status.watcher_pid(d, job, 0) is None, timeout=30)  # resigned
+    _wait_gone(d, job, timeout=30)  # and, for what waits for the flush, done
     assert os.path.exists(os.path.join(flush, "rank0.slot0.json"))
+    assert not glob.glob(os.path.join(d, "*", status.FLUSHING))
     # a node with no adopting watcher is told so: the caller starts one
     assert not status.adopt_watcher(d, job, 0, 2, [os.getpid()], [0])
