@@ -41,7 +41,7 @@ def _child(conn, kind: str, gb: float) -> None:
         keep.append(m)
     elif kind.startswith("shm"):
         path = f"/dev/shm/bench-teardown-{os.getpid()}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         os.ftruncate(fd, n)
         m = mmap.mmap(fd, n, flags=mmap.MAP_SHARED)
         _touch(m, n)

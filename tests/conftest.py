@@ -54,3 +54,21 @@ def events(tmp_path, monkeypatch):
     path = str(tmp_path / "events.jsonl")
     monkeypatch.setenv(ev.ENV, path)
     return lambda: ev.load(path)
+
+
+@pytest.fixture
+def shm_store():
+    """A SnapshotStore of 2 slots for rank 0 of a fresh job in /dev/shm; afterwards
+    closed, whatever it handed over released, and its segments removed."""
+    import uuid
+
+    from reft_ext.store import handover
+    from reft_ext.store.shm import ShmSegment
+    from reft_ext.store.slots import SnapshotStore
+
+    job = "t" + uuid.uuid4().hex[:8]
+    s = SnapshotStore(job, 0, 0, "/dev/shm", slots=2)
+    yield s
+    s.close()
+    handover.release()
+    ShmSegment.remove_job(f"{job}-node0", base_dir="/dev/shm")

@@ -18,7 +18,6 @@ recovery.
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
@@ -39,20 +38,18 @@ class Preverify:
 
     def __init__(self, owner: tuple, manifests: dict[int, dict], fmt: SlotFormat,
                  data: dict[int, torch.Tensor]):
-        self.owner, self.results, self.seconds = owner, {}, 0.0
+        self.owner, self.results = owner, {}
         self._data = data  # slot -> its bytes, mapped (the store hands them over)
         self.thread = threading.Thread(target=self._run, args=(manifests, fmt),
                                         name="reft-preverify", daemon=True)
         self.thread.start()
 
     def _run(self, manifests: dict, fmt: SlotFormat) -> None:
-        t0 = time.perf_counter()
         try:
             take_inventory(manifests, fmt, False, self._verify)
         except Exception:  # noqa: BLE001 - a head start only: REFT-load hashes what is missing
             pass
         self._data = {}
-        self.seconds = time.perf_counter() - t0
 
     def _verify(self, slot: int, m: dict, region) -> bool:
         data = self._data.get(slot)

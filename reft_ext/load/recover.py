@@ -23,9 +23,9 @@ import time
 import torch
 
 from reft_ext import _native
+from reft_ext.load import preverify
 from reft_ext.load.errors import RecoveryError
 from reft_ext.load.fused import load_verified
-from reft_ext.load import preverify
 from reft_ext.load.inventory import take_inventory
 from reft_ext.load.received import Received, outgoing
 from reft_ext.load.planning import (GroupPlan, RecoveryPlan, needs_full_verify,

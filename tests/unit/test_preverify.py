@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from reft_ext.load import preverify
 from reft_ext.load.inventory import SlotFormat, take_inventory
 from reft_ext.store import handover
 from reft_ext.store.checksum import checksum
-from reft_ext.store.shm import ShmSegment
 from reft_ext.store.slots import SnapshotStore
 
 N = 1 << 20  # bytes per region
@@ -25,14 +23,9 @@ FMT = SlotFormat({"sig": 1}, 4 * N, "arc")
 
 
 @pytest.fixture
-def store():
-    job = "pv" + uuid.uuid4().hex[:8]
-    s = SnapshotStore(job, 0, 0, "/dev/shm", slots=2)
-    yield s
-    preverify.discard()
-    s.close()
-    handover.release()
-    ShmSegment.remove_job(f"{job}-node0", base_dir="/dev/shm")
+def store(shm_store):
+    yield shm_store
+    preverify.discard()  # its thread reads the store's mappings: done before they close
 
 
 def _write(store, iteration: int, fill: int) -> tuple[int, dict]:

@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 
 import pytest
 
-from reft_ext.store import handover
-from reft_ext.store.shm import ShmSegment
-from reft_ext.store.slots import SnapshotStore
 
 NBYTES = 1 << 20
 
 
 @pytest.fixture
-def store():
-    job = "rr" + uuid.uuid4().hex[:8]
-    s = SnapshotStore(job, 0, 0, "/dev/shm", slots=2)
-    yield s
-    s.close()
-    handover.release()
-    ShmSegment.remove_job(f"{job}-node0", base_dir="/dev/shm")
+def store(shm_store):
+    return shm_store
 
 
 def _files(store) -> list[str]:

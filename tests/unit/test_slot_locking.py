@@ -6,25 +6,16 @@ replaced by a recorder, or by the refusal an H100 gave for a mapping of a disk f
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
-from reft_ext.store import handover
 from reft_ext.store.shm import ShmSegment
-from reft_ext.store.slots import SnapshotStore
 
 NBYTES = 1 << 20
 
 
 @pytest.fixture
-def store():
-    job = "lk" + uuid.uuid4().hex[:8]
-    s = SnapshotStore(job, 0, 0, "/dev/shm", slots=2)
-    yield s
-    s.close()
-    handover.release()
-    ShmSegment.remove_job(f"{job}-node0", base_dir="/dev/shm")
+def store(shm_store):
+    return shm_store
 
 
 def test_slots_are_locked_when_made_and_the_aor_buffer_is_not(store, monkeypatch):
