@@ -40,6 +40,7 @@ from reft_ext.testing import fault_point  # the one test injection point (no-op 
 __all__ = ["recover", "recovery_tier", "owned_source", "plan_recovery"]
 
 _NO_POINTER = 1 << 62  # (the oldest commit pointer: none on this rank)
+TAG_AOR = 0xA0F2  # the AOR replica's exchange on the control group (_post_aor)
 
 
 def _fuse(v: SnapshotView, slot: int, m: dict) -> dict:
@@ -117,23 +118,36 @@ def _rebuild(v: SnapshotView, g: GroupPlan, data, slices: dict, it: int,
                  Region.OWN)
 
 
-def _receive_aor(v: SnapshotView, g: GroupPlan, data, it: int,
-                 rx: Received) -> tuple[int, torch.Tensor] | None:
-    """For a rank that lost its owned state: its AOR holder's replica of it (sent
-    point-to-point within the sharding group, checked against the holder's checksum).
-    Returns (holder rank, bytes), or None when this rank keeps its own."""
+def _post_aor(v: SnapshotView, g: GroupPlan, data, it: int) -> tuple[list, tuple | None]:
+    """For a rank that lost its owned state: its AOR holder's replica of it, sent
+    point-to-point. Only posted here, on the control group: its own connections, so the
+    optimizer shard (the largest transfer, 3x the slice) moves beside the slices'
+    exchange on the sharding group instead of after it. Returns (works, (holder,
+    buffer) or None); :func:`_receive_aor` waits and checks."""
     off, n = v.regions[Region.AOR]
-    got = None
-    for holder, r in g.aor_sends:  # same order on every member: one exchange per lost rank
+    works, got = [], None
+    for holder, r in g.aor_sends:  # a holder holds one replica: it sends at most once
         if v.rank == holder:
-            torch.distributed.send(outgoing(data[off:off + n], it, "AOR replica", r),
-                                   dst=r, group=v.dp_group)
+            works.append(torch.distributed.isend(
+                outgoing(data[off:off + n], it, "AOR replica", r), dst=r,
+                group=v.control_group, tag=TAG_AOR))
         elif v.rank == r:  # the holder's aor region is sized by this rank's shard
             buf = torch.empty(v.aor_owner.spec.nbytes, dtype=torch.uint8)
-            torch.distributed.recv(buf, src=holder, group=v.dp_group)
-            rx.check(buf, "the AOR replica of its optimizer shard", holder, holder,
-                     Region.AOR)
+            works.append(torch.distributed.irecv(buf, src=holder, group=v.control_group,
+                                                 tag=TAG_AOR))
             got = (holder, buf)
+    return works, got
+
+
+def _receive_aor(posted: tuple[list, tuple | None], rx: Received) -> tuple | None:
+    """The exchange :func:`_post_aor` posted, done and checked against the holder's
+    checksum. Returns (holder rank, bytes), or None when this rank keeps its own."""
+    works, got = posted
+    for w in works:
+        w.wait()
+    if got is not None:
+        rx.check(got[1], "the AOR replica of its optimizer shard", got[0], got[0],
+                 Region.AOR)
     return got
 
 
@@ -262,14 +276,16 @@ def _restore(v: SnapshotView, plan: RecoveryPlan, inventories: list, manifests: 
     manifest = manifests[entry.slot] if entry else None
     data = v.store.data(entry.slot, v.nbytes) if entry else None
     rx = Received(v.rank, it, inventories)
+    # an owned shard lost with its rank: its AOR replica, posted first (it moves
+    # beside steps 1 and 2 on other connections)
+    aor_posted = _post_aor(v, g, data, it) if lay.owned.nbytes else None
     # 1. what each member already holds (own slice, ARC replica of the next one), and
     #    who sends each slice to the members that lack it (point-to-point)
     slices = _distribute(v, g, data, it, rx)
     t_gather = time.perf_counter()
-    # 2. lost slices without a replica: rebuilt from the parity blocks of the others;
-    #    an owned shard lost with its rank: its AOR replica
+    # 2. lost slices without a replica: rebuilt from the parity blocks of the others
     _rebuild(v, g, data, slices, it, rx)
-    aor = _receive_aor(v, g, data, it, rx) if lay.owned.nbytes else None
+    aor = _receive_aor(aor_posted, rx) if aor_posted is not None else None
     t_rebuild = time.perf_counter()
     # 3. nothing received from a peer is written before every rank checked what it got
     if not rx.agree(v.control_group):

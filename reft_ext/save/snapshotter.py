@@ -172,17 +172,18 @@ class ReftSnapshotter:
         """Before the first step (after any recovery): holders get their owners' shards
         (a holder whose restored snapshot already has its owner's keeps it). The job's
         snapshot bytes (the snapshot line's figure) are summed once here, at start-up,
-        not at every commit."""
+        not at every commit. The caller releases the slots' creation
+        (``store.release_slots``) once its own start-up collectives are done."""
         total = torch.tensor([self.nbytes], dtype=torch.int64)
         torch.distributed.all_reduce(total, group=self.a.control_group)
         self.job_nbytes = int(total.item())
         if self.aor is not None:
             t0 = time.perf_counter()
             seed = self.aor_seed()
-            self.aor.initialize(seed=seed)
-            record("aor_initialized", owner=self.aor.owner_rank, seeded=seed is not None,
-                   kept=self.aor.kept, ms=1e3 * (time.perf_counter() - t0))
-        self.store.release_slots()  # slots not made yet: from now, beside training
+            # beside the first forward-backward (its step and every reader wait for it)
+            self.aor.start_initialize(seed=seed, done=lambda: record(
+                "aor_initialized", owner=self.aor.owner_rank, seeded=seed is not None,
+                kept=self.aor.kept, ms=1e3 * (time.perf_counter() - t0)))
 
     def aor_seed(self) -> torch.Tensor | None:
         """After a REFT-load: the AOR region of the snapshot this rank restored (its

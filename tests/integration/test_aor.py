@@ -40,12 +40,13 @@ def _tiny():
 
 
 def run_probe(layout: list, perturb: str = "", iters: int = ITERS, clip: float = 0.8,
-              reinit_at: int = 0, seed: bool = False):
+              reinit_at: int = 0, seed: bool = False, start_delay: float = 0.0):
     run = torchrun(4, _tiny() + AOR_ARGS + ["--train-iters", str(iters), "--clip-grad",
                                             str(clip)] + layout,
                    script="tests/workers/aor_worker.py",
                    env={"AOR_PERTURB": perturb, "AOR_REINIT_AT": str(reinit_at),
-                        "AOR_REINIT_SEED": "1" if seed else ""},
+                        "AOR_REINIT_SEED": "1" if seed else "",
+                        "AOR_START_DELAY": str(start_delay)},
                    timeout=180).check()
     rows = {}
     for m in SUMMARY.finditer(run.output):
@@ -85,14 +86,15 @@ def check(run, rows, perturbed_rank=None, at=None, iters=ITERS):
 # node (the AOR replica rebuilds the lost optimizer shard, bit-exact) and the replay below
 def test_dp4_fp32_replicas_bit_identical_and_flipped_bit_detected():
     """Halfway every holder initializes again offering its replica as the seed (what a
-    recovery offers: the restored snapshot's AOR region): even ranks keep theirs without
-    a transfer, odd ranks' seeds have a flipped bit and are replaced by their owners'
-    state; either way the replicas stay bit-identical to the end."""
+    recovery offers: the restored snapshot's AOR region). Rank 2 keeps its live replica
+    (no copy, no transfer); rank 0's live replica has a flipped bit and its seed is
+    kept instead; odd ranks' seeds and live replicas both have a flipped bit and are
+    replaced by their owners' state. Either way the replicas stay bit-identical to the
+    end."""
     run, rows = run_probe([], perturb="2:95:bit", reinit_at=50, seed=True)
     assert {r: rows[r]["holds"] for r in rows} == {0: 1, 1: 2, 2: 3, 3: 0}
-    for r in range(4):
-        assert f"rank {r} re-initialized after iteration 50 (kept {int(r % 2 == 0)})" \
-            in run.output
+    for r, kept in {0: "1 seed", 1: "0 ", 2: "1 live", 3: "0 "}.items():
+        assert f"rank {r} re-initialized after iteration 50 (kept {kept})" in run.output
     check(run, rows, perturbed_rank=2, at=95)
 
 
@@ -111,6 +113,18 @@ def test_tp2dp2_bf16_replicas_bit_identical():
     run, rows = run_probe(["--tensor-model-parallel-size", "2", "--bf16"], iters=40,
                           clip=1.0, reinit_at=20)
     assert run.output.count("re-initialized after iteration 20") == 4
+    check(run, rows, iters=40)
+
+
+def test_start_up_on_a_thread_holds_the_first_step():
+    """start_initialize (the snapshotter's start-up beside the first forward-backward),
+    its thread held back 1.5 s: the first step's hook waits for it, so no step is
+    missed and every replica is bit-identical from iteration 1 on."""
+    run, rows = run_probe([], iters=40, clip=1.0, start_delay=1.5)
+    for r in range(4):  # the call returned at once; the step waited for the thread
+        assert f"[AOR] rank {r} start-up thread done after 0 train steps" in run.output
+    init_ms = [float(x) for x in re.findall(r"init_ms (\S+)", run.output)]
+    assert len(init_ms) == 4 and max(init_ms) < 1500, init_ms
     check(run, rows, iters=40)
 
 

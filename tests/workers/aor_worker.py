@@ -46,7 +46,21 @@ class AORProbe(TrainerHook):
         opts = optimizer_state.torch_optimizers(trainer.state.optimizer)
         self.aor = AORTransport(opts, group, alloc=self._alloc)
         t0 = time.time()
-        self.aor.initialize()
+        delay = float(os.environ.get("AOR_START_DELAY", "0"))
+        if delay:
+            # the snapshotter's way: the start-up on a thread, here held back until the
+            # first step is well under way (its hook must wait; nothing may be missed)
+            inner = self.aor._initialize
+
+            def late(seed):
+                time.sleep(delay)
+                inner(seed)
+                print(f"[AOR] rank {self.rank} start-up thread done after "
+                      f"{len(self.grad_norms)} train steps", flush=True)
+            self.aor._initialize = late
+            self.aor.start_initialize()
+        else:
+            self.aor.initialize()
         self.init_s = time.time() - t0
         self.results, self.grad_norms, self.apply_s = [], [], []
         self.p_rank = self.p_iter = self.p_mode = None
@@ -56,7 +70,8 @@ class AORProbe(TrainerHook):
             self.p_rank, self.p_iter = int(r), int(it)
         if self.p_mode == "lr" and self.rank == self.p_rank:
             self._wrap_apply_with_lr_change()
-        self._wrap_apply_timer()
+        if not delay:  # (the replica does not exist before the thread has made it)
+            self._wrap_apply_timer()
         self._wrap_train_step()
 
     def _alloc(self, nbytes):
@@ -101,8 +116,9 @@ class AORProbe(TrainerHook):
             # pause and initialize again mid-run (as the overhead benchmark does between
             # methods, and recovery does in-process): must neither hang nor diverge
             # AOR_REINIT_SEED=1: each holder offers its own replica as the seed (as a
-            # recovery offers its restored snapshot's), odd ranks with one bit flipped:
-            # kept where it is the owner's state, sent whole where it is not
+            # recovery offers its restored snapshot's); odd ranks flip one bit of both
+            # the seed and the live replica (sent whole), rank 0 of the live replica
+            # only (the seed is kept), rank 2 of neither (the live replica is kept)
             self.aor.pause()
             seed = None
             if os.environ.get("AOR_REINIT_SEED"):
@@ -110,9 +126,12 @@ class AORProbe(TrainerHook):
                 seed = self.aor.replica.buffer.clone()
                 if self.rank % 2:
                     seed[seed.numel() // 3].bitwise_xor_(4)
+                if self.rank != 2:
+                    self.aor.replica.buffer[seed.numel() // 5].bitwise_xor_(2)
             self.aor.initialize(seed=seed)
+            how = f" {self.aor.kept_from}" if seed is not None else ""
             print(f"[AOR] rank {self.rank} re-initialized after iteration {it} "
-                  f"(kept {int(self.aor.kept)})", flush=True)
+                  f"(kept {int(self.aor.kept)}{how})", flush=True)
         if not self.verify_every or it % self.verify_every:
             return
         res = self.aor.verify(it)

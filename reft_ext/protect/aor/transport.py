@@ -18,13 +18,16 @@ before any torch Adam step of this iteration), on the main thread:
 
 A background thread waits for the receive and applies the step to the replica with
 torch's functional Adam (torch ops release the GIL). Only the main thread posts
-communication; the thread only waits on a posted ``Work``. Skipped steps (found inf)
-never reach the torch step on any rank, so no message is sent or expected.
+communication (and, at start-up, the thread of :meth:`AORTransport.start_initialize`,
+joined before anything else posts); the apply thread only waits on a posted ``Work``.
+Skipped steps (found inf) never reach the torch step on any rank, so no message is sent
+or expected.
 
-Call sites (see docs/aor.md): :meth:`AORTransport.initialize` on every rank of the group
-after the owner's state is final at start-up (after load/recovery, before the first
-step), :meth:`wait` before anything reads the replica, :meth:`verify` every N
-iterations after ``optimizer.step()``, :meth:`close` at exit.
+Call sites (see docs/aor.md): :meth:`AORTransport.initialize` (or ``start_initialize``,
+on a thread) on every rank of the group after the owner's state is final at start-up
+(after load/recovery, before the first step), :meth:`wait` before anything reads the
+replica, :meth:`verify` every N iterations after ``optimizer.step()``, :meth:`close` at
+exit.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ class AORTransport:
         placement = placement or place(self.ranks)
         d = placement.ranks.index(self.rank)
         self.owner_rank = placement.ranks[placement.protects(d)]  # whose shard I hold
+        self._owner_of = {placement.ranks[m]: placement.ranks[placement.protects(m)]
+                          for m in range(self.D)}  # every member's (_keep)
         self.holder_rank = placement.ranks[placement.holder(d)]   # who holds mine
         self.owner = OwnerShard(torch_optimizers)
         self.alloc = alloc or _default_alloc
@@ -100,9 +105,12 @@ class AORTransport:
         self._error: BaseException | None = None
         self._send_work = None
         self._init_send = None  # initialize()'s whole-shard send, in flight
+        self._init_thread = None  # start_initialize()'s, until joined
+        self._init_error: BaseException | None = None
         self.seq_sent = self.seq_recv = 0
         self.steps = 0  # Adam steps the owner has taken (set again at initialize)
         self.kept = False  # the last initialize kept this holder's replica (not sent)
+        self.kept_from = ""  # ... its live bytes ("live") or the seed's ("seed")
 
     # ---- start-up / after recovery ----------------------------------------------------
     def initialize(self, seed: torch.Tensor | None = None) -> None:
@@ -115,8 +123,52 @@ class AORTransport:
         pair whose replica then has its owner's checksum skips the transfer: a
         survivor's replica is kept rather than shipped again (hundreds of MB per rank);
         a lost, stale or corrupt one differs and is sent whole."""
+        self._join_init()
         if self._thread is not None:
             self.wait()
+        self._install_hooks()
+        self._initialize(seed)
+
+    def start_initialize(self, seed: torch.Tensor | None = None, done=None) -> None:
+        """:meth:`initialize` on a thread, beside the first forward-backward: at a resume
+        the seed copy, the checksums and the owner's pack (hundreds of MB each) are off
+        the path to training again. The owner's state cannot change before its first
+        step, whose hook waits for the thread, as does every reader of the replica
+        (:meth:`wait`). Only this thread uses the AOR group until it is joined, and it
+        waits for nobody's main thread: no deadlock with the training's collectives.
+        ``done()`` runs on the thread when it succeeded."""
+        self._join_init()
+        if self._thread is not None:
+            self.wait()
+        self._install_hooks()  # now: a step taken before the thread ends must wait for it
+
+        def run() -> None:
+            try:
+                self._initialize(seed)
+                if done is not None:
+                    done()
+            except BaseException as exc:  # noqa: BLE001 - raised on the main thread
+                self._init_error = exc
+        self._init_thread = threading.Thread(target=run, name="aor-init", daemon=True)
+        self._init_thread.start()
+
+    def _join_init(self, timeout_s: float | None = None) -> bool:
+        """The thread of :meth:`start_initialize` has ended (its failure raised here);
+        False only when ``timeout_s`` passed first."""
+        t = self._init_thread
+        if t is not None:
+            if timeout_s is None:
+                t.join()
+            elif not join_or_warn(t, timeout_s, "the AOR start-up thread",
+                                  owner=self.owner_rank):
+                return False
+            self._init_thread = None
+        if self._init_error is not None:  # for every later caller too: the pair is broken
+            raise RuntimeError(f"AOR start-up failed: {self._init_error!r}") \
+                from self._init_error
+        return True
+
+    def _initialize(self, seed: torch.Tensor | None) -> None:
         self._wait_send()
         self._wait_init_send()
         self.owner.materialize()
@@ -135,16 +187,7 @@ class AORTransport:
                 f"{mine.num_threads}: bit identity is not guaranteed (verify will tell)")
             emit("aor_warning", f"rank {self.rank}: WARNING {self.warnings[-1]}", prefix="[AOR]",
                  owner=self.owner_rank, why=self.warnings[-1])
-        if seeded and seed.numel() >= peer.nbytes:
-            self.replica.buffer.copy_(seed[:peer.nbytes])
-        sums = [None] * self.D  # (mine as owner, my replica's) where a pair may be kept
-        dist.all_gather_object(sums, (self.owner.checksum() if holder_seeded else None,
-                                      self.replica.checksum() if seeded else None),
-                               group=self.group)
-        me, owner, holder = (sums[self.ranks.index(r)] for r in
-                             (self.rank, self.owner_rank, self.holder_rank))
-        keep_mine = holder[1] is not None and holder[1] == me[0]  # my holder has my state
-        keep_held = me[1] is not None and me[1] == owner[0]  # I have my owner's
+        keep_mine, keep_held = self._keep(seed if seeded else None, holder_seeded)
         self.kept = keep_held  # (tests, the start-up line) the replica was not sent
         # The whole-shard transfer (hundreds of MB after a lost node) goes on while
         # training resumes: the holder's apply thread takes it first, then the steps'
@@ -168,18 +211,56 @@ class AORTransport:
         # pinned where the owner's grads come down from a device (an async D2H target)
         self._send_buf = host_buffer(mine.message_nbytes, pinned=self.owner.on_device)
         self._recv_buf = torch.empty(peer.message_nbytes, dtype=torch.uint8)
-        if self._hook is None and self.owner.opts:
-            self._hook = self.owner.opts[0].register_step_pre_hook(self._on_step)
-            if self.owner.on_device:  # the copy overlaps the owner's Adam kernels
-                self._post_hook = self.owner.opts[0].register_step_post_hook(
-                    self._after_step)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="aor-replica",
                                             daemon=True)
             self._thread.start()
 
+    def _keep(self, seed: torch.Tensor | None, holder_seeded: bool) -> tuple[bool, bool]:
+        """Which of this rank's two pairs keep their replica: (my holder has my state,
+        I have my owner's), equal checksums decided alike on both sides of each pair.
+        The live replica is compared first: after a failure inside a forward-backward
+        (most of an iteration) it has applied just the restored iteration's step, so it
+        already holds the seed's bytes and the seed's copy (hundreds of MB) is saved.
+        Members whose live replica differs copy their seed in and compare once more."""
+        n = self.replica.spec.nbytes
+        mine = self.owner.checksum() if holder_seeded else None
+        usable = seed is not None and seed.numel() >= n
+        first = [None] * self.D  # (mine as owner, my live replica's, a seed to try)
+        dist.all_gather_object(first, (mine, self.replica.checksum() if seed is not None
+                                       else None, usable), group=self.group)
+        at = {r: first[i] for i, r in enumerate(self.ranks)}
+        owner, holder = at[self.owner_rank], at[self.holder_rank]
+        keep_mine = holder[1] is not None and holder[1] == mine  # my holder has my state
+        keep_held = at[self.rank][1] is not None and at[self.rank][1] == owner[0]
+        self.kept_from = "live" if keep_held else ""  # (tests) which bytes were kept
+        retry = {r for r, (_, live, can) in at.items()
+                 if can and live != at[self._owner_of[r]][0]}
+        if not retry:
+            return keep_mine, keep_held
+        if self.rank in retry:
+            self.replica.buffer.copy_(seed[:n])
+        second = [None] * self.D
+        dist.all_gather_object(second, self.replica.checksum() if self.rank in retry
+                               else None, group=self.group)
+        again = {r: second[i] for i, r in enumerate(self.ranks)}
+        if self.holder_rank in retry:
+            keep_mine = again[self.holder_rank] == mine
+        if self.rank in retry:
+            keep_held = again[self.rank] == owner[0]
+            self.kept_from = "seed" if keep_held else ""
+        return keep_mine, keep_held
+
     # ---- every optimizer step (main thread, inside optimizer.step) ----------------------
+    def _install_hooks(self) -> None:
+        if self._hook is None and self.owner.opts:
+            self._hook = self.owner.opts[0].register_step_pre_hook(self._on_step)
+            if self.owner.on_device:  # the copy overlaps the owner's Adam kernels
+                self._post_hook = self.owner.opts[0].register_step_post_hook(
+                    self._after_step)
+
     def _on_step(self, _opt, _args, _kwargs) -> None:
+        self._join_init()  # the start-up's buffers and whole-shard transfers are posted
         spec = self.owner.spec
         self._wait_send()
         h = 8 * spec.header_len
@@ -247,6 +328,7 @@ class AORTransport:
     def wait(self) -> bool:
         """Block until every received step is applied; True if the replica is usable.
         Call before reading the replica (snapshot, verify, recovery)."""
+        self._join_init()
         self._q.join()
         self._raise_if_failed()
         return self.replica.valid
@@ -327,6 +409,11 @@ class AORTransport:
         stop, waiting for no peer (one may be dead; the aborted connections wake a
         receive in flight). True when the thread is gone."""
         self._remove_hooks()
+        try:  # the aborted connections wake a start-up thread in a collective too
+            if not self._join_init(timeout_s):
+                return False
+        except RuntimeError:
+            pass  # the generation failed anyway
         self._send_work = self._init_send = None
         if self._thread is not None:
             self._q.put(None)
@@ -337,6 +424,7 @@ class AORTransport:
         return True
 
     def close(self) -> None:
+        self._join_init()
         if self._thread is not None:
             self.wait()
             self._q.put(None)
