@@ -123,11 +123,16 @@ class AORTransport:
         pair whose replica then has its owner's checksum skips the transfer: a
         survivor's replica is kept rather than shipped again (hundreds of MB per rank);
         a lost, stale or corrupt one differs and is sent whole."""
+        self._prepare_initialize()
+        self._initialize(seed)
+
+    def _prepare_initialize(self) -> None:
+        """Before either start-up: the last one over, the replica's queue drained, the
+        owner's step hook installed (a step taken before a start-up thread ends waits)."""
         self._join_init()
         if self._thread is not None:
             self.wait()
         self._install_hooks()
-        self._initialize(seed)
 
     def start_initialize(self, seed: torch.Tensor | None = None, done=None) -> None:
         """:meth:`initialize` on a thread, beside the first forward-backward: at a resume
@@ -137,10 +142,7 @@ class AORTransport:
         (:meth:`wait`). Only this thread uses the AOR group until it is joined, and it
         waits for nobody's main thread: no deadlock with the training's collectives.
         ``done()`` runs on the thread when it succeeded."""
-        self._join_init()
-        if self._thread is not None:
-            self.wait()
-        self._install_hooks()  # now: a step taken before the thread ends must wait for it
+        self._prepare_initialize()
 
         def run() -> None:
             try:
