@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 
 from reft_ext.flags import ReftFlags
+from reft_ext.store.paths import private_problem
 
 PROTECTIONS = ("none", "arc", "aec", "aor")
 RESTARTS = ("in-process", "process")  # docs/nodes.md
@@ -20,29 +20,55 @@ SCHEDULES = ("has", "end-of-iteration", "host-thread")  # reft_ext/save/schedule
 
 AUTO_LOCAL_NODES = 16  # --reft-keep 0 (auto): local commits for jobs of more nodes
 JOB_ID_MAX = 64  # longer ids keep a prefix and a hash of the whole id (_job_id_of)
+_JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _job_id_of(raw: str, limit: int = JOB_ID_MAX) -> str:
-    """A job id usable in file names: characters outside ``[A-Za-z0-9._-]`` become
-    ``_``; an id longer than ``limit`` keeps its first ``limit - 16`` characters and 15
-    hex digits of the sha256 of the whole id (never a plain cut: two long ids that share
-    their beginning must not share a directory). Empty: ``"local"``."""
-    s = re.sub(r"[^A-Za-z0-9._-]", "_", raw or "")
-    if len(s) > limit:
-        s = s[:limit - 16] + "-" + hashlib.sha256((raw or "").encode()).hexdigest()[:15]
-    return s or "local"
+    """A job id usable in file names, distinct for distinct ids: one already made of
+    ``[A-Za-z0-9._-]`` (a letter or digit first) and at most ``limit`` long is kept as it
+    is; any other keeps a readable prefix (other characters made ``_``) and 15 hex digits
+    of the sha256 of the whole id: ``exp/1``, ``exp 1`` and ``exp_1`` are three ids, and
+    two long ids that share their beginning never share a directory. Idempotent."""
+    raw = raw or ""
+    if _JOB_ID_RE.fullmatch(raw) and len(raw) <= limit:
+        return raw
+    s = re.sub(r"[^A-Za-z0-9._-]", "_", raw).lstrip("._-") or "job"
+    return s[:limit - 16] + "-" + hashlib.sha256(raw.encode()).hexdigest()[:15]
 
 
-def _not_private(path: str) -> str | None:
-    """Why the existing directory ``path`` (symbolic links followed) is not this user's
-    private one, or None (the same rule as reft_ext/store/paths.py private_problem,
-    which the watcher and REFT-load apply)."""
-    st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
+def _process_key(pid: int) -> str | None:
+    """(pid, start time since boot, boot id) of a live process: names it uniquely on this
+    host for as long as the host is up, whatever pid reuse does."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{pid}:{start}"
+
+
+def default_job_id(env=None) -> tuple[str, str]:
+    """(job id, where it came from) for a job started without --reft-job-id: the
+    launcher's run id (TORCHELASTIC_RUN_ID: torchrun's --rdzv-id, a random one per
+    --standalone launch, tools/launch_nodes.py's and the in-process launcher's job id;
+    SLURM_JOB_ID), never a name every such job shares. Plain ``torchrun`` without
+    --rdzv-id says ``none``: then the ranks' parent, the torchrun agent (the same for
+    every rank of the node and across its restarts, a new one for every launch); a
+    process started alone, itself."""
+    env = os.environ if env is None else env
+    run_id = env.get("TORCHELASTIC_RUN_ID") or ""
+    if run_id and run_id != "none":
+        return run_id, "TORCHELASTIC_RUN_ID"
+    if env.get("SLURM_JOB_ID"):
+        return env["SLURM_JOB_ID"], "SLURM_JOB_ID"
+    alone = not run_id and int(env.get("WORLD_SIZE", "1") or 1) <= 1
+    pid = os.getpid() if alone else os.getppid()
+    key = _process_key(pid) or f"{pid}:{os.urandom(8).hex() if alone else ''}"
+    name = "local" if alone else "torchrun" if run_id else "job"
+    return (f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}",
+            "this process" if alone else "the launching process (pid %d)" % pid)
 
 
 class ReftConfigError(ValueError):
@@ -79,7 +105,10 @@ class ReftConfig(ReftFlags):
         help="how many consecutive ranks form one failure domain (default: "
              "LOCAL_WORLD_SIZE, i.e. one node)"))
     job_id: str = field(default="", metadata=dict(
-        help="names the job's shared memory (default: TORCHELASTIC_RUN_ID or SLURM_JOB_ID)"))
+        help="names the job's shared memory (default: TORCHELASTIC_RUN_ID, i.e. torchrun's "
+             "--rdzv-id, or SLURM_JOB_ID; else one of this launch's own: plain torchrun's "
+             "agent, or this process); an id with other characters than [A-Za-z0-9._-] "
+             "keeps a hash of itself"))
     keep: int = field(default=0, metadata=dict(
         help="snapshots each rank keeps in host memory, a ring; host memory grows with K. "
              ">= 3: each rank commits its snapshots on its own, nothing job-wide per "
@@ -183,9 +212,11 @@ class ReftConfig(ReftFlags):
         if self.flush_dir and os.path.isfile(self.flush_dir):
             raise ReftConfigError(f"--reft-flush-dir: {self.flush_dir!r} is a file, not a "
                                   f"directory")
-        if self.flush_dir and self.flush_dir != "none" and os.path.isdir(self.flush_dir):
-            why = _not_private(self.flush_dir)
-            if why is not None:  # whoever else can write there could forge snapshots
+        if self.flush_dir and self.flush_dir != "none" and os.path.lexists(self.flush_dir):
+            # whoever else can write there (or swap it: a link, a directory above it that
+            # is not safe) could forge snapshots or redirect the flush
+            why = private_problem(self.flush_dir)
+            if why is not None:
                 raise ReftConfigError(
                     f"--reft-flush-dir: {self.flush_dir} {why}: flushed snapshots are "
                     f"neither written there nor loaded from there. Point it at a "
@@ -195,10 +226,9 @@ class ReftConfig(ReftFlags):
             self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if self.ranks_per_node < 1:
             raise ReftConfigError("--reft-ranks-per-node: must be >= 1")
-        if not self.job_id:
-            self.job_id = (os.environ.get("TORCHELASTIC_RUN_ID") or
-                           os.environ.get("SLURM_JOB_ID") or "local")
-        # too long: a prefix and a hash of the whole id, never a cut that two ids share
+        if not self.job_id:  # never one name that every job without an id shares
+            self.job_id = default_job_id()[0]
+        # changed to be a file name, or too long: a prefix and a hash of the whole id
         self.job_id = _job_id_of(self.job_id)
 
     @property

@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from reft_ext.store import paths
+from reft_ext.store import paths, safe_dir
 
 
 class LaunchError(ValueError):
@@ -73,7 +73,13 @@ class LaunchConfig:
         self.job_id = self.job_id or f"nodes-{uuid.uuid4().hex[:8]}"
         # port 0: the rendezvous store binds a port of the kernel's choice at start()
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix=f"{self.job_id}-logs-")
-        os.makedirs(self.log_dir, exist_ok=True)
+        try:  # the logs are opened there by name: a directory no one else can write or swap
+            safe_dir.open_dir(self.log_dir, create=True).close()
+        except (safe_dir.UnsafePathError, NotADirectoryError) as exc:
+            why = getattr(exc, "reason", "is not a directory")
+            raise LaunchError(f"--log-dir: {self.log_dir} {why}: give a directory of this "
+                              f"user that only this user can write (or leave --log-dir "
+                              f"out: a new private one)") from None
 
 
 class JobOutput:

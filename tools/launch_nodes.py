@@ -19,6 +19,7 @@ slot's shared-memory directory ``<shm>/reft-<job>-node<i>``.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import os
 import random
@@ -35,6 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # reft_ext (status files) when run as a script
 
 from reft_ext.cluster import status as node_status  # noqa: E402
+from reft_ext.store import safe_dir  # noqa: E402
 from tools.launch_config import JobOutput, LaunchConfig, LaunchError  # noqa: E402,F401
 
 
@@ -204,8 +206,15 @@ class NodeLauncher(JobOutput):
         if node in self.procs and self.procs[node].poll() is None:
             raise LaunchError(f"node {node}: its agent (pid {self.procs[node].pid}) is running")
         log = os.path.join(self.cfg.log_dir, f"node{node}.{len(self.logs[node])}.log")
+        try:  # through the checked directory, never through a planted link
+            fd = safe_dir.open_file(log)
+        except OSError as exc:
+            why = getattr(exc, "reason", None) or (
+                "is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror)
+            raise LaunchError(f"--log-dir: {log} {why}: not written; remove it or give "
+                              f"another --log-dir") from None
         self.logs[node].append(log)
-        with open(log, "w") as f:  # the agent keeps its own handle
+        with open(fd, "w") as f:  # the agent keeps its own handle
             # generation: a fault injected for attempt k fires once job-wide (see
             # reft_ext/testing/fault_specs.attempt); REFT_MIN_NODES: the workers'
             # --reft-min-nodes default (torchrun does not tell them MIN)

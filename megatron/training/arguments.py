@@ -167,6 +167,12 @@ def _add_checkpoint_args(p):
                    help="load the model weights of --load only (any TP/PP, e.g. one "
                         "converted from Hugging Face): fresh optimizer, iteration 0")
     g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--trust-shared-checkpoint-dir", action="store_true",
+                   help="use a --save/--load directory that other users can write (or that "
+                        "lies below one): refused without this flag, since whoever can "
+                        "write there can plant a checkpoint that runs code as you when it "
+                        "is loaded; only for a directory shared on purpose with users you "
+                        "trust")
     g.add_argument("--inject-fault", type=str, default=None, metavar=GRAMMAR + "[,...]",
                    help="tests and demos: send SIGNAL (default SIGKILL) to RANK during "
                         "iteration ITER at moment PHASE (default step: right before the "

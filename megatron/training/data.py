@@ -30,7 +30,6 @@ import fcntl
 import hashlib
 import importlib.util
 import os
-import stat
 import struct
 import sys
 from pathlib import Path
@@ -43,6 +42,7 @@ from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
 from megatron.training import dataset_cache
+from reft_ext.store import safe_dir
 from megatron.training.tokenizer_files import (
     TokenizerError,
     describe_identity,
@@ -114,39 +114,64 @@ def default_data_cache_root() -> str:
 
 
 class UnsafeCacheDirError(ValueError):
-    """A cache/lock directory another user could write (or a symlink to one): refused."""
+    """A cache/lock directory another user could write or swap (a symlink, another user's,
+    writable by group/others, or below such a directory): refused."""
 
 
-def private_dir(path: str, what: str = "data cache directory") -> str:
-    """Create `path` (mode 0700) if missing and return its absolute path, after checking that it
-    is a real directory (not a symlink) owned by this uid and not writable by group/others.
-    Raises UnsafeCacheDirError with a one-line message naming it otherwise. Safe to call from
-    many processes at once."""
+def _open_private(path: str, what: str) -> safe_dir.SafeDir:
+    """`path` opened from / one directory at a time (reft_ext/store/safe_dir.py), created
+    0700 if missing: this user's, not writable by group/others, not a symlink, and below
+    directories nobody else can write or swap. UnsafeCacheDirError with a one-line message
+    naming it otherwise. Safe to call from many processes at once."""
     path = os.path.abspath(path)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
     lock = what.startswith("lock")
     fix = ("remove it or set XDG_CACHE_HOME to a directory you own" if lock
            else "choose another --data-cache-path (or remove it)")
-    if stat.S_ISLNK(st.st_mode):
-        why = f"is a symlink (to {os.readlink(path)}); give the real directory or {fix}"
-    elif not stat.S_ISDIR(st.st_mode):
-        why = f"is not a directory; {fix}"
-    elif st.st_uid != os.getuid():
-        why = f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); {fix}"
-    elif st.st_mode & 0o022:
-        why = (f"is writable by group/others (mode {stat.S_IMODE(st.st_mode):04o}); "
-               f"chmod 700 {path} or {fix}")
-    else:
-        return path
+    try:
+        return safe_dir.open_dir(path, create=True)
+    except safe_dir.UnsafePathError as exc:
+        why = exc.reason
+        if exc.component == path and "writable by group or others" in why:
+            fix = f"chmod 700 {path} or {fix}"
+    except NotADirectoryError:
+        why = "is not a directory (or a directory above it is not)"
     risk = ("another user could plant files there" if lock else
-            "megatron-core loads pickled index files from it, so another user who can write it "
-            "could run code as you")
-    raise UnsafeCacheDirError(f"refusing {what} {path}: it {why} ({risk})")
+            "megatron-core loads pickled index files from it, so another user who can write "
+            "or swap it could run code as you")
+    raise UnsafeCacheDirError(f"refusing {what} {path}: it {why}; {fix} ({risk})")
+
+
+def private_dir(path: str, what: str = "data cache directory") -> str:
+    """Create `path` (mode 0700) if missing and return its absolute path, after checking it
+    and every directory above it (_open_private). For a check; code that reads or writes
+    there takes the held directory (_held_dir), not this name."""
+    _open_private(path, what).close()
+    return os.path.abspath(path)
+
+
+_held: dict = {}  # (absolute path, subdirectory) -> SafeDir, open for the process's life
+
+
+def _held_dir(path: str, sub: Optional[str] = None) -> str:
+    """`path` (and its subdirectory `sub`), checked as private_dir does and held open for
+    the life of the process; returns /proc/self/fd/<fd>, a name of the checked directory
+    itself: megatron-core opens its cached index files by name, and through this one a
+    directory renamed or swapped after the check (renameat2 RENAME_EXCHANGE) changes
+    nothing. The same name every time in one process (the dataset cache's key,
+    dataset_cache.py); forked DataLoader workers inherit the descriptor."""
+    key = (os.path.abspath(path), sub)
+    if key not in _held:
+        d = _open_private(path, "data cache directory")
+        if sub is not None:
+            with d:  # (the parent: closed once its subdirectory is held)
+                try:
+                    d = d.subdir(sub, create=True)
+                except safe_dir.UnsafePathError as exc:
+                    raise UnsafeCacheDirError(
+                        f"refusing data cache directory {exc.path}: it {exc.reason}; remove "
+                        f"it (megatron-core loads pickled index files from it)") from None
+        _held[key] = d
+    return _held[key].proc_path
 
 
 def data_cache_path_error(path: Optional[str]) -> Optional[str]:
@@ -162,19 +187,29 @@ def data_cache_path_error(path: Optional[str]) -> Optional[str]:
 @contextlib.contextmanager
 def _file_lock(name: str):
     """Inter-process lock (one per machine) in the user's private cache directory
-    (<default_data_cache_root()>/.locks, 0700, checked by private_dir); needs no
-    torch.distributed, so any subset of ranks, or separate jobs, can call the functions that use
-    it. Opened with O_NOFOLLOW: a symlink planted at the lock path is never followed."""
-    root = private_dir(default_data_cache_root())
-    lock_dir = private_dir(os.path.join(root, ".locks"), "lock directory")
-    path = os.path.join(lock_dir, f"megatron_data_{name}.lock")
+    (<default_data_cache_root()>/.locks, 0700, opened from / as private_dir checks it); needs
+    no torch.distributed, so any subset of ranks, or separate jobs, can call the functions
+    that use it. Opened through the checked directory's descriptor with O_NOFOLLOW: a symlink
+    planted at the lock path is never followed."""
+    root = default_data_cache_root()
+    with _open_private(root, "data cache directory") as top:
+        try:
+            locks = top.subdir(".locks", create=True)
+        except safe_dir.UnsafePathError as exc:
+            raise UnsafeCacheDirError(
+                f"refusing lock directory {exc.path}: it {exc.reason}; remove it or set "
+                f"XDG_CACHE_HOME to a directory you own (another user could plant files "
+                f"there)") from None
+    path = os.path.join(locks.path, f"megatron_data_{name}.lock")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = locks.open(os.path.basename(path), os.O_RDWR | os.O_CREAT)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafeCacheDirError(
                 f"refusing lock file {path}: it is a symlink; remove it") from None
         raise
+    finally:
+        locks.close()
     with os.fdopen(fd, "r+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -396,12 +431,13 @@ def _data_fingerprint(prefixes: List[str]) -> str:
 
 
 def data_cache_path(args, prefixes: List[str]) -> str:
-    """<args.data_cache_path or default_data_cache_root()>/<data fingerprint>, both checked by
-    private_dir (created 0700; refused when a symlink, owned by another uid, or writable by
-    group/others). Must be one directory every rank sees (shared FS for multi-node): rank 0
-    writes, then the others read after the builder's barrier."""
-    root = private_dir(getattr(args, "data_cache_path", None) or default_data_cache_root())
-    return private_dir(os.path.join(root, _data_fingerprint(prefixes)))
+    """<args.data_cache_path or default_data_cache_root()>/<data fingerprint>, both checked as
+    private_dir does (created 0700; refused when a symlink, another user's, writable by
+    group/others, or below a directory another user could swap) and returned as the held
+    directory's /proc/self/fd name (_held_dir). Must be one directory every rank sees (shared
+    FS for multi-node): rank 0 writes, then the others read after the builder's barrier."""
+    root = getattr(args, "data_cache_path", None) or default_data_cache_root()
+    return _held_dir(root, _data_fingerprint(prefixes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,7 +514,7 @@ def build_train_valid_test_datasets(args, tokenizer, collective: bool = True):
     if getattr(args, "mock_data", False):
         cls, cache = MockGPTDataset, getattr(args, "data_cache_path", None)
         if cache:
-            cache = private_dir(cache)
+            cache = _held_dir(cache)
         args = _with(args, data_path=None, train_data_path=None, valid_data_path=None,
                      test_data_path=None)
     else:

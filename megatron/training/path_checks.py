@@ -1,5 +1,5 @@
 """The places a start reads and writes, checked on this machine before any work (the data
-set, its cache, --save, the save-on-failure directory). Apart from
+set, its cache, --save and --load, the save-on-failure directory). Apart from
 megatron/training/arguments.py's validate_args, which judges flags and layouts alone (a
 script's dry run on a laptop, an elastic shrink's new layout)."""
 
@@ -28,6 +28,12 @@ def check_paths(args, _fail) -> None:
     why = data_cache_path_error(args.data_cache_path)  # megatron-core unpickles from it
     if why:
         _fail("--data-cache-path", why)
+    for flag in ("--save", "--load"):  # a checkpoint is unpickled when it is loaded
+        path = getattr(args, flag[2:], None)
+        why = path and not getattr(args, "trust_shared_checkpoint_dir", False) and \
+            checkpoint_dir_error(flag, path)
+        if why:
+            _fail(flag, why)
     if args.save:
         _check_writable_dir("--save", args.save, "point it at a directory this user can "
                             "create and write (checkpoints are written there)", _fail)
@@ -36,6 +42,27 @@ def check_paths(args, _fail) -> None:
         _check_writable_dir("--reft-flush-dir", cfg.flush_dir, "point it at a directory "
                             "this user can create and write (default <--save>/reft-flush), "
                             "or give --reft-flush-dir none to turn save-on-failure off", _fail)
+
+
+def checkpoint_dir_error(flag: str, path: str) -> str | None:
+    """Why --save/--load ``path`` is one another user could write or swap (theirs, writable
+    by group or others, a link, or below such a directory: reft_ext/store/safe_dir.py), or
+    None. A checkpoint's metadata is a pickle: whoever can plant one (and re-seal its
+    integrity.json, whose writer is public) runs code as this user at the load. A --save
+    not made yet: the nearest existing directory above it, where it will be made."""
+    from reft_ext.store import safe_dir
+
+    target = base = os.path.abspath(path)
+    while not os.path.lexists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    why = safe_dir.problem(base, kind=safe_dir.TRUSTED if base == target else safe_dir.PARENT)
+    if why is None or why in ("does not exist", "is not a directory"):
+        return None  # (the other checks' business: a --load that is not there)
+    where = path if base == target else f"{path} (to be made in {base})"
+    return (f"{where} {why}: another user who can write or swap it could plant a checkpoint "
+            f"that runs code as you when it is loaded; use a directory only you can write "
+            f"(chmod 700), or add --trust-shared-checkpoint-dir if it is shared on purpose "
+            f"with users you trust")
 
 
 def _check_writable_dir(flag: str, path: str, what: str, _fail) -> None:

@@ -32,6 +32,7 @@ import sys  # noqa: E402
 from reft_ext.cluster.inprocess import ENV_SECRET, job_secret  # noqa: E402
 from reft_ext.cluster.node_pool import NODE_TIMEOUT_S, NodePool  # noqa: E402
 from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig  # noqa: E402
+from reft_ext.store import safe_dir  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -84,7 +85,8 @@ def main(argv=None) -> int:
         sup.failure, code = f"{type(exc).__name__}: {exc}", 1
     finally:
         sup.close()
-        with open(os.path.join(a.log_dir, "inprocess-history.json"), "w") as f:
+        with open(safe_dir.open_file(os.path.join(a.log_dir, "inprocess-history.json")),
+                  "w") as f:
             json.dump(sup.history, f, indent=1)
     pool.say(f"job {a.job_id}: exit {code} after {len(sup.history)} restart(s)" +
              (f" ({sup.failure})" if sup.failure else ""))

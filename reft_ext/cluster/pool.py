@@ -24,6 +24,7 @@ import sys
 import time
 
 from reft_ext.cluster.inprocess import ENV_SECRET
+from reft_ext.store import safe_dir
 
 
 class Worker:
@@ -140,7 +141,7 @@ class LocalPool(Pool):
         env = dict(os.environ, PYTHONUNBUFFERED="1", **c.env)
         env.pop("TORCHELASTIC_RESTART_COUNT", None)
         env[ENV_SECRET] = self.secret_hex
-        with open(log, "w") as f:
+        with open(safe_dir.open_file(log), "w") as f:  # never through a planted link
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                     cwd=c.cwd or None, start_new_session=True)
         w = _LocalWorker(wid, proc, log)

@@ -142,7 +142,7 @@ def check_flush_dir(flush_dir: str) -> None:
                              "The snapshots are not flushed there (the node's host memory "
                              "still holds them); point --reft-flush-dir at a directory of "
                              "this user that only this user can write (chmod 700)",
-                             fix_mode=False, follow=True)
+                             fix_mode=False)
     except paths.PrivateDirError as exc:
         raise FlushDirError(exc.errno, exc.strerror) from None
 

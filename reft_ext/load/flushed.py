@@ -38,7 +38,7 @@ def trusted_flush_dir(flush_dir: str) -> bool:
     """Is ``flush_dir`` this user's private directory? Whoever else can write there
     (another user's directory, one writable by group or others) could forge flushed
     snapshots: nothing is read from it then. Reported once."""
-    why = paths.private_problem(flush_dir, follow=True)
+    why = paths.private_problem(flush_dir)
     if why is None or why == "does not exist":
         return why is None
     if (flush_dir, why) not in _reported:

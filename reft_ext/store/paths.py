@@ -26,6 +26,8 @@ import os
 import re
 import stat
 
+from reft_ext.store import safe_dir
+
 PREFIX = "reft-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 SIDE = ".meta"  # <shm>/reft-<job>-node<n>.meta: the node's private side directory
@@ -87,36 +89,26 @@ class PrivateDirError(PermissionError):
         return self.strerror or super().__str__()
 
 
-def private_problem(path: str, *, follow: bool = False) -> str | None:
-    """Why ``path`` is not this user's private directory (absent, not a directory,
-    another user's, writable by group or others), or None when it is. ``follow``:
-    ``path`` itself may be a symbolic link (to a directory that passes)."""
+def private_problem(path: str) -> str | None:
+    """Why ``path`` is not this user's private directory (absent, not a directory, a
+    symbolic link, another user's, writable by group or others, or below a directory
+    another user could swap: reft_ext/store/safe_dir.py), or None when it is."""
+    return safe_dir.problem(path)
+
+
+def ensure_private(path: str, what: str, advice: str, *, fix_mode: bool = True) -> str:
+    """Create ``path`` (0700, through its parents' descriptors), or take an existing one
+    only if it is this user's directory below safe ones (safe_dir.open_dir):
+    :class:`PrivateDirError`, one line naming it, otherwise. ``fix_mode``: a directory of
+    this user open to group or others is made 0700 (else refused)."""
     try:
-        st = os.stat(path) if follow else os.lstat(path)
-    except FileNotFoundError:
-        return "does not exist"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory" + ("" if follow or not stat.S_ISLNK(st.st_mode)
-                                       else " (a symbolic link)")
-    if st.st_uid != os.geteuid():
-        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
-def ensure_private(path: str, what: str, advice: str, *, fix_mode: bool = True,
-                   follow: bool = False) -> str:
-    """Create ``path`` (0700), or take an existing one only if it is this user's
-    directory: :class:`PrivateDirError`, one line naming it, otherwise. ``fix_mode``:
-    a directory of this user open to group or others is made 0700 (else refused)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    why = private_problem(path, follow=follow)
-    if why is not None and fix_mode and why.startswith("is writable by group"):
-        os.chmod(path, 0o700)
-        why = private_problem(path, follow=follow)
-    if why is not None:
-        raise PrivateDirError(errno.EACCES, f"{what}: {path} {why}: not used. {advice}")
+        safe_dir.open_dir(path, create=True, fix_mode=fix_mode).close()
+    except safe_dir.UnsafePathError as exc:
+        raise PrivateDirError(errno.EACCES, f"{what}: {path} {exc.reason}: not used. "
+                              f"{advice}") from None
+    except NotADirectoryError:
+        raise PrivateDirError(errno.EACCES, f"{what}: {path} is not a directory (or one "
+                              f"above it is not): not used. {advice}") from None
     return path
 
 
@@ -130,14 +122,19 @@ def ensure_side_dir(shm_dir: str, job: str, node: int) -> str:
 
 def read_private(path: str) -> str | None:
     """The text of ``path`` if it is this user's own regular file (not a symbolic link,
-    not writable by group or others) in this user's private directory; else None, as
-    for an absent file: a file another user could have planted is never trusted."""
-    if private_problem(os.path.dirname(path) or ".") is not None:
+    not writable by group or others) in this user's private directory, opened through
+    that directory's checked descriptor; else None, as for an absent file: a file another
+    user could have planted is never trusted."""
+    try:
+        d = safe_dir.open_dir(os.path.dirname(path) or ".")
+    except (OSError, ValueError):
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+        fd = d.open(os.path.basename(path), os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError):
         return None
+    finally:
+        d.close()
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or \

@@ -91,7 +91,7 @@ def test_cache_dir_owned_by_another_uid_is_refused(corpus, xdg, tmp_path):
     cache.mkdir(mode=0o700)
     os.chown(cache, NOBODY, NOBODY)
     refused(make_args(data_path=[corpus], data_cache_path=str(cache)), cache,
-            f"owned by uid {NOBODY}", "--data-cache-path")
+            f"belongs to uid {NOBODY}", "--data-cache-path")
     assert os.listdir(cache) == []
 
 
@@ -110,7 +110,7 @@ def test_symlinked_cache_dir_is_refused(corpus, xdg, tmp_path):
     real.mkdir(mode=0o700)
     link = tmp_path / "link"
     link.symlink_to(real)
-    refused(make_args(data_path=[corpus], data_cache_path=str(link)), link, "symlink")
+    refused(make_args(data_path=[corpus], data_cache_path=str(link)), link, "symbolic link")
     assert os.listdir(real) == []
 
 
@@ -119,7 +119,7 @@ def test_mock_data_cache_dir_is_checked_too(xdg, tmp_path):
     cache.mkdir()
     os.chmod(cache, 0o777)
     refused(make_args(mock_data=True, split="969,30,1", data_cache_path=str(cache)), cache,
-            "writable by group/others")
+            "writable by group or others")
 
 
 def test_private_cache_dir_is_created_0700_and_used(corpus, xdg, tmp_path):
@@ -164,7 +164,7 @@ def test_planted_old_default_cache_dir_is_not_used(corpus, xdg, shared_tmp):
                    for n in os.listdir(shared_tmp))
 
     # Pointing the cache flag at it: the start is refused, naming it.
-    refused(make_args(data_path=[corpus], data_cache_path=old), old, f"owned by uid {NOBODY}")
+    refused(make_args(data_path=[corpus], data_cache_path=old), old, f"belongs to uid {NOBODY}")
     assert os.listdir(old) == []
 
 
@@ -180,7 +180,7 @@ def test_planted_default_cache_root_is_refused(corpus, tmp_path, monkeypatch):
                         "--clear-groups", "sh", "-c", 'mkdir -p "$1" && chmod 777 "$1"', "sh",
                         root], check=True)
         monkeypatch.setenv("XDG_CACHE_HOME", shared)
-        refused(make_args(data_path=[corpus]), root, f"owned by uid {NOBODY}")
+        refused(make_args(data_path=[corpus]), root, f"uid {NOBODY}")
         assert os.listdir(root) == []
     finally:
         shutil.rmtree(shared, ignore_errors=True)
