@@ -79,6 +79,9 @@ class OptimizerKind:
     step_in: str | None
     ensure: Callable[[Any, dict, torch.Tensor], None]
     refuse: Callable[[Any, dict], str | None]
+    # what AOR's holder replays it with (reft_ext/protect/aor/replica.py), None: AOR
+    # cannot protect it
+    aor: str | None = None
 
 
 def _adam_keys(group: dict) -> tuple:
@@ -112,16 +115,29 @@ def _ensure_torch_sgd(opt, group: dict, p: torch.Tensor) -> None:
 
 
 def _refuse_torch_sgd(opt, group: dict) -> str | None:
-    if group["momentum"] != 0 and group["dampening"] != 0:
+    if group["momentum"] != 0 and group.get("dampening", 0) != 0:
         return (f"dampening {group['dampening']} (step 1 skips it, so no momentum buffer "
                 "created before step 1 gives the same update)")
     return None
 
 
-def _is_fused_adam(opt) -> bool:
+def capturable(opt, group: dict) -> bool:
+    """Does this optimizer keep its step (and lr) on the device? torch keeps the flag in
+    each param group; apex's and TE's fused optimizers on the optimizer itself
+    (``self.capturable``; their defaults hold lr, betas, eps, weight_decay only)."""
+    return bool(group.get("capturable", getattr(opt, "capturable", False)))
+
+
+def _is_fused(opt, name: str) -> bool:
     cls = type(opt)
-    return cls.__name__ == "FusedAdam" and cls.__module__.split(".")[0] in (
+    return cls.__name__ == name and cls.__module__.split(".")[0] in (
         "apex", "transformer_engine")
+
+
+def _is_fused_adam(opt) -> bool:
+    return _is_fused(opt, "FusedAdam")
+
+
 
 
 def _ensure_fused_adam(opt, group: dict, p: torch.Tensor) -> None:
@@ -147,21 +163,43 @@ def _refuse_fused_adam(opt, group: dict) -> str | None:
     for attr in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         if getattr(opt, attr, torch.float32) != torch.float32:
             return f"{attr}={getattr(opt, attr)} (scaled moments kept outside the state)"
-    if group.get("capturable"):
+    if capturable(opt, group):
         return "capturable=True (its step lives on the device)"
+    if not group.get("bias_correction", True):
+        return "bias_correction=False (AOR's replay and torch's Adam always correct)"
     return None
 
 
 KNOWN_KINDS = (
     OptimizerKind("torch.optim.Adam/AdamW",
                   lambda o: isinstance(o, (torch.optim.Adam, torch.optim.AdamW)),
-                  _adam_keys, "param", _ensure_torch_adam, lambda o, g: None),
+                  _adam_keys, "param", _ensure_torch_adam, lambda o, g: None, aor="adam"),
     OptimizerKind("torch.optim.SGD", lambda o: isinstance(o, torch.optim.SGD),
                   _sgd_keys, None, _ensure_torch_sgd, _refuse_torch_sgd),
     OptimizerKind("apex/TransformerEngine FusedAdam", _is_fused_adam,
                   lambda g: ("exp_avg", "exp_avg_sq"), "group", _ensure_fused_adam,
-                  _refuse_fused_adam),
+                  _refuse_fused_adam, aor="fused_adam"),
+    # torch SGD's state (momentum_buffer), made the same way before step 1: FusedSGD
+    # makes it on its first step (first_run: buf = grad); one made before takes its
+    # later formula (buf*m + grad), which the -0.0 buffer turns into the same update,
+    # without dampening only (refused as for torch's SGD)
+    OptimizerKind("apex/TransformerEngine FusedSGD", lambda o: _is_fused(o, "FusedSGD"),
+                  _sgd_keys, None, _ensure_torch_sgd, _refuse_torch_sgd),
 )
+
+# what megatron-core 0.16.1 builds for --optimizer adam|sgd, by who supplies the
+# optimizers (megatron.core.optimizer: TE first, then apex, else torch's AdamW/SGD):
+# the kind of each, so start-up can judge it from the device facts alone
+BUILT_BY = {("transformer_engine", "adam"): "apex/TransformerEngine FusedAdam",
+            ("apex", "adam"): "apex/TransformerEngine FusedAdam",
+            ("torch", "adam"): "torch.optim.Adam/AdamW",
+            ("transformer_engine", "sgd"): "apex/TransformerEngine FusedSGD",
+            ("apex", "sgd"): "apex/TransformerEngine FusedSGD",
+            ("torch", "sgd"): "torch.optim.SGD"}
+
+
+def kind_named(name: str) -> OptimizerKind:
+    return next(k for k in KNOWN_KINDS if k.name == name)
 
 
 def _class_name(opt) -> str:

@@ -118,7 +118,8 @@ def _rebuild(v: SnapshotView, g: GroupPlan, data, slices: dict, it: int,
                  Region.OWN)
 
 
-def _post_aor(v: SnapshotView, g: GroupPlan, data, it: int) -> tuple[list, tuple | None]:
+def _post_aor(v: SnapshotView, g: GroupPlan, data, it: int,
+              manifest: dict | None = None) -> tuple[list, tuple | None]:
     """For a rank that lost its owned state: its AOR holder's replica of it, sent
     point-to-point. Only posted here, on the control group: its own connections, so the
     optimizer shard (the largest transfer, 3x the slice) moves beside the slices'
@@ -128,6 +129,13 @@ def _post_aor(v: SnapshotView, g: GroupPlan, data, it: int) -> tuple[list, tuple
     works, got = [], None
     for holder, r in g.aor_sends:  # a holder holds one replica: it sends at most once
         if v.rank == holder:
+            aor = (manifest or {}).get("aor") or {}
+            if not aor.get("exact", True):  # a GPU or fused owner's, between verifications
+                reft_print(f"rank {v.rank} sends rank {r} its optimizer shard of iteration "
+                           f"{it} from the AOR replica: the CPU replay of its owner's "
+                           f"steps since step {aor.get('exact_step')} (exact there; not "
+                           f"bit-identical since: docs/aor.md)", event="aor_inexact",
+                           iteration=it, owner=r, exact_step=aor.get("exact_step"))
             works.append(torch.distributed.isend(
                 outgoing(data[off:off + n], it, "AOR replica", r), dst=r,
                 group=v.control_group, tag=TAG_AOR))
@@ -278,7 +286,7 @@ def _restore(v: SnapshotView, plan: RecoveryPlan, inventories: list, manifests: 
     rx = Received(v.rank, it, inventories)
     # an owned shard lost with its rank: its AOR replica, posted first (it moves
     # beside steps 1 and 2 on other connections)
-    aor_posted = _post_aor(v, g, data, it) if lay.owned.nbytes else None
+    aor_posted = _post_aor(v, g, data, it, manifest) if lay.owned.nbytes else None
     # 1. what each member already holds (own slice, ARC replica of the next one), and
     #    who sends each slice to the members that lack it (point-to-point)
     slices = _distribute(v, g, data, it, rx)

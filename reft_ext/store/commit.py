@@ -72,7 +72,10 @@ class Committer:
         if self.identity is not None:  # + the run id (kept in the state across restarts)
             m["identity"] = dict(self.identity, run=self.run_id() if self.run_id else None)
         if self.aor is not None:  # whose shard the aor region holds, and can it be trusted
-            m["aor"] = {"owner": self.aor.owner_rank, "valid": self.aor.replica.valid}
+            # exact: the owner's bytes (a bit-identical replay, or a GPU/fused owner's at
+            # the step of its last verification); else its CPU replay since that step
+            m["aor"] = {"owner": self.aor.owner_rank, "valid": self.aor.replica.valid,
+                        "exact": self.aor.exact(), "exact_step": self.aor.exact_step}
         return m
 
     def seal(self, slot: int, iteration: int, digests: dict, meta) -> dict:

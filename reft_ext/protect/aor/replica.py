@@ -71,11 +71,19 @@ class ShardSpec:
     torch_version: str
     num_threads: int
     device: str = "cpu"  # where the owner's Adam runs: only "cpu" is replayed bit for bit
+    kind: str = "adam"   # the owner's optimizer (AOR_KINDS): only torch's is replayed so
 
     @property
     def bit_identical(self) -> bool:
         """Does the holder's CPU replay reproduce the owner's update bit for bit?"""
-        return self.device == "cpu"
+        return self.device == "cpu" and self.kind == "adam"
+
+    def checksum(self, pieces) -> int:
+        """The pair's checksum of ``pieces`` (owner's state or replica, same byte order):
+        xxh3 over host bytes where the replay is bit-identical (verified rarely, cheap on
+        a CPU owner), else :func:`wsum64`, which the owner computes where its state is
+        (on the device: no copy down, no hashing on the training thread)."""
+        return _checksum(pieces) if self.bit_identical else wsum64(pieces)
 
     @property
     def numels(self) -> list:
@@ -129,6 +137,44 @@ def _checksum(pieces) -> int:
     return checksum_all([as_bytes(_host(t).contiguous()) for t in pieces], FLAT)
 
 
+WSUM_CHUNK = 1 << 20  # int32 words per weight ramp (4 MiB of state)
+_MASK64 = (1 << 64) - 1
+_ramps: dict = {}  # device -> the cached ramp 1..WSUM_CHUNK (int64)
+
+
+def wsum64(pieces) -> int:
+    """A 64-bit checksum of the concatenated 4-byte words of ``pieces`` that gives the
+    same value wherever the tensors live (CUDA, ROCm or CPU: integer sums only, exact
+    and independent of the reduction order): s1 = sum of the words, s2 = sum over 4 MiB
+    chunks c of (2c+1) x sum of word x its position in the chunk (1..2^20), both mod
+    2^64 (two's complement wrap-around). Any one changed word changes s1; moved words
+    change s2. Reads each word a few times on its own device, one sync at the end."""
+    acc, pos = {}, 0
+    for t in pieces:
+        t = t.detach()
+        if t.numel() == 0:
+            continue
+        if t.element_size() != 4 or not t.is_contiguous():
+            raise ValueError(f"wsum64: 4-byte contiguous tensors only, got {t.dtype}")
+        words, dev = t.view(-1).view(torch.int32), t.device
+        if dev not in _ramps:
+            _ramps[dev] = torch.arange(1, WSUM_CHUNK + 1, dtype=torch.int64, device=dev)
+        s1, s2 = acc.setdefault(dev, (torch.zeros((), dtype=torch.int64, device=dev),
+                                      torch.zeros((), dtype=torch.int64, device=dev)))
+        lo = 0
+        while lo < words.numel():
+            c, at = divmod(pos, WSUM_CHUNK)
+            n = min(words.numel() - lo, WSUM_CHUNK - at)
+            w = words[lo:lo + n].to(torch.int64)
+            s1 += w.sum()
+            s2 += (w * _ramps[dev][at:at + n]).sum() * (2 * c + 1)
+            lo, pos = lo + n, pos + n
+    t1 = t2 = 0
+    for s1, s2 in acc.values():
+        t1, t2 = t1 + int(s1), t2 + int(s2)
+    return (t1 + 0x9E3779B97F4A7C15 * (t2 & _MASK64) + pos) & _MASK64
+
+
 def _cat_into(src: list, out: torch.Tensor) -> None:
     """Flatten ``src`` end to end into ``out`` (host), from host or device tensors."""
     flat = [t.reshape(-1) for t in src]
@@ -158,17 +204,59 @@ def region(buffer: torch.Tensor, spec: ShardSpec, name: str) -> torch.Tensor:
     return buffer[off:off + 4 * n].view(torch.float32)
 
 
+def aor_kind(opt) -> str | None:
+    """The optimizer kinds AOR protects (the AOR column of megatron/training/
+    optimizer_state.py's table): "adam" for torch's Adam/AdamW (replayed bit for bit on
+    a CPU owner), "fused_adam" for apex's and TransformerEngine's FusedAdam (the same
+    update, moments in ``state``, the step count in each param group, AdamW unless
+    ``adam_w_mode`` is off; replayed with torch's Adam, so exact only where verified and
+    re-synced). None: not protected."""
+    if isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam in torch 2.x
+        return "adam"
+    cls = type(opt)
+    if cls.__name__ == "FusedAdam" and cls.__module__.split(".")[0] in (
+            "apex", "transformer_engine"):
+        return "fused_adam"
+    return None
+
+
+def _fused_refusal(opt) -> str | None:
+    """What of a FusedAdam the replay cannot follow (apex/TE keep these on the optimizer,
+    not in the param groups)."""
+    if getattr(opt, "capturable", False):
+        return "capturable=True (its step and lr live on the device)"
+    if getattr(opt, "master_weights", False) or getattr(opt, "use_master", False) or \
+            getattr(opt, "store_param_remainders", False):
+        return "master weights kept inside the optimizer"
+    for attr in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(opt, attr, torch.float32) != torch.float32:
+            return f"{attr}={getattr(opt, attr)}"
+    if any(not g.get("bias_correction", True) for g in opt.param_groups):
+        return "bias_correction=False (torch's Adam always corrects)"
+    return None
+
+
 class OwnerShard:
-    """The owner's side: its torch Adam/AdamW optimizers (inside megatron's
-    DistributedOptimizer: ``opt.optimizer`` of each chained optimizer), in a fixed order."""
+    """The owner's side: its Adam optimizers (inside megatron's DistributedOptimizer:
+    ``opt.optimizer`` of each chained optimizer), in a fixed order; one kind per shard
+    (:func:`aor_kind`)."""
 
     def __init__(self, torch_optimizers):
         self.opts = [o for o in torch_optimizers if o is not None]
+        kinds = set()
         for o in self.opts:
-            if not isinstance(o, torch.optim.Adam):  # AdamW subclasses Adam in torch 2.x
+            kind = aor_kind(o)
+            if kind is None:
                 raise NotImplementedError(
-                    f"AOR replays torch.optim.Adam/AdamW only, not {type(o).__name__} "
-                    "(apex/TE fused kernels have no bit-identical CPU twin)")
+                    f"AOR replays torch.optim.Adam/AdamW and apex/TransformerEngine "
+                    f"FusedAdam only, not {type(o).__module__}.{type(o).__name__}")
+            why = _fused_refusal(o) if kind == "fused_adam" else None
+            if why:
+                raise NotImplementedError(f"AOR: {type(o).__name__} with {why}: not supported")
+            kinds.add(kind)
+        if len(kinds) > 1:
+            raise NotImplementedError(f"AOR: one optimizer kind per shard, got {sorted(kinds)}")
+        self.kind = kinds.pop() if kinds else "adam"
         devices = {p.device for o in self.opts for g in o.param_groups for p in g["params"]}
         if len(devices) > 1:
             raise NotImplementedError(f"AOR: the owner's main params live on several "
@@ -195,14 +283,15 @@ class OwnerShard:
         first step (zero moments, a float32 CPU step tensor), so it can be copied now."""
         for o in self.opts:
             for g in o.param_groups:
-                if g["capturable"] or g["fused"]:
+                # torch keeps capturable/fused in each group (FusedAdam: refused above)
+                if g.get("capturable") or g.get("fused"):
                     raise NotImplementedError("AOR: capturable/fused Adam keeps its step on "
                                               "the device; not supported")
-                if g["amsgrad"]:
+                if g.get("amsgrad"):
                     raise NotImplementedError("AOR: amsgrad is not supported")
                 for p in g["params"]:
                     st = o.state[p]
-                    if "step" not in st:
+                    if "step" not in st and self.kind == "adam":  # FusedAdam: the group's
                         st["step"] = torch.tensor(0.0, dtype=torch.float32)
                     for key in ("exp_avg", "exp_avg_sq"):
                         if key not in st:
@@ -216,6 +305,14 @@ class OwnerShard:
                 if p.dtype != torch.float32 or p.is_complex() or not p.is_contiguous():
                     raise NotImplementedError(f"AOR: main params must be contiguous fp32, "
                                               f"got {p.dtype}")
+            if self.kind == "fused_adam":  # replayed by torch's single-tensor Adam(W)
+                groups.append(GroupSpec(
+                    numels=tuple(p.numel() for p in params),
+                    betas=tuple(float(b) for b in g["betas"]), eps=float(g["eps"]),
+                    amsgrad=False, maximize=False, foreach=False, fused=False,
+                    capturable=False, differentiable=False,
+                    decoupled_weight_decay=bool(getattr(self._opt_of(g), "adam_w_mode", 1))))
+                continue
             fused, foreach = g["fused"], g["foreach"]
             if fused is None and foreach is None:  # what torch.optim.adam.adam decides
                 _, foreach = _default_to_fused_or_foreach(params, g["differentiable"], False)
@@ -227,14 +324,25 @@ class OwnerShard:
                 differentiable=bool(g["differentiable"]),
                 decoupled_weight_decay=bool(g.get("decoupled_weight_decay", False))))
         return ShardSpec(tuple(groups), torch.__version__, torch.get_num_threads(),
-                         self.device.type)
+                         self.device.type, self.kind)
+
+    def _opt_of(self, group: dict):
+        return next(o for o in self.opts if any(g is group for g in o.param_groups))
+
+    def _steps(self) -> list:
+        """Each param's step count as a float32 tensor: torch's own state["step"], or
+        FusedAdam's group["step"] (absent before its first step: 0) once per param."""
+        if self.kind == "adam":
+            return self._state("step")
+        return [torch.tensor(float(g.get("step", 0)), dtype=torch.float32)
+                for g in self.groups() for _ in g["params"]]
 
     def _state(self, key: str) -> list:
         return [o.state[p][key] for o in self.opts for g in o.param_groups
                 for p in g["params"]]
 
     def step_count(self) -> float:
-        steps = {float(s) for s in self._state("step")}
+        steps = {float(s) for s in self._steps()}
         if len(steps) > 1:
             raise RuntimeError(f"AOR: owner's params disagree on the Adam step: {steps}")
         return steps.pop() if steps else 0.0
@@ -286,12 +394,15 @@ class OwnerShard:
 
     def pieces(self) -> list:
         """The owner's state in the replica's byte order (for checksums and packing)."""
-        steps = torch.stack(self._state("step")).to(torch.float32) if self.params() else \
+        steps = torch.stack(self._steps()).to(torch.float32) if self.params() else \
             torch.empty(0)
         return [*self.params(), *self._state("exp_avg"), *self._state("exp_avg_sq"), steps]
 
     def checksum(self) -> int:
-        return _checksum(self.pieces())
+        """The pair's checksum of this shard (``ShardSpec.checksum``): where the replay is
+        not bit-identical, computed where the state lives (a device owner: on the
+        device, one scalar copied down)."""
+        return self.spec.checksum(self.pieces())
 
     @torch.no_grad()
     def pack_state(self, out: torch.Tensor) -> None:
@@ -304,7 +415,7 @@ class OwnerShard:
             if src:
                 _cat_into(src, region(out, self.spec, name))
         if self.params():
-            region(out, self.spec, "step").copy_(torch.stack(self._state("step")))
+            region(out, self.spec, "step").copy_(torch.stack(self._steps()))
 
     @torch.no_grad()
     def unpack_state(self, src: torch.Tensor) -> None:
@@ -314,7 +425,15 @@ class OwnerShard:
                           ("exp_avg_sq", self._state("exp_avg_sq"))):
             for d, s in zip(dst, _views(region(src, self.spec, name), numels)):
                 d.view(-1).copy_(s)
-        for d, s in zip(self._state("step"), region(src, self.spec, "step")):
+        steps = region(src, self.spec, "step")
+        if self.kind == "fused_adam":  # one count per group, as FusedAdam keeps it
+            off = 0
+            for g in self.groups():
+                if g["params"]:
+                    g["step"] = int(steps[off])
+                off += len(g["params"])
+            return
+        for d, s in zip(self._state("step"), steps):
             d.copy_(s)
 
 
@@ -351,7 +470,7 @@ class AORReplica:
 
     def checksum(self) -> int:
         with self.lock:
-            return _checksum([v for _, v in self.state_tensors()])
+            return self.spec.checksum([v for _, v in self.state_tensors()])
 
     def invalidate(self, reason: str) -> None:
         """Never recover from this replica again (until it is re-initialized)."""

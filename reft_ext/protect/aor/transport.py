@@ -111,6 +111,12 @@ class AORTransport:
         self.steps = 0  # Adam steps the owner has taken (set again at initialize)
         self.kept = False  # the last initialize kept this holder's replica (not sent)
         self.kept_from = ""  # ... its live bytes ("live") or the seed's ("seed")
+        # --reft-aor-verify-every: a replica that is not a bit-identical replay takes its
+        # checksum for a verification on the apply thread, right after applying that
+        # step (the training thread only compares); step count -> checksum
+        self.verify_every = 0
+        self._early_sums: dict = {}
+        self.exact_step = 0  # the replica's step count when it last equalled its owner
 
     # ---- start-up / after recovery ----------------------------------------------------
     def initialize(self, seed: torch.Tensor | None = None) -> None:
@@ -201,8 +207,9 @@ class AORTransport:
             self.replica.valid, self.replica.reason = False, "being received from its owner"
             self._q.put((dist.irecv(self.replica.buffer, src=self.owner_rank,
                                     group=self.group, tag=TAG_INIT), INIT))
-        else:
+        else:  # kept: its checksum was its owner's
             self.replica.valid, self.replica.reason = True, ""
+            self.exact_step = int(self.replica.step_count())
         if not keep_mine:
             packed = torch.empty(mine.nbytes, dtype=torch.uint8)
             self.owner.pack_state(packed)
@@ -315,12 +322,29 @@ class AORTransport:
                 work.wait()
                 if seq is INIT:  # the owner's whole shard has landed in the replica
                     self.replica.valid, self.replica.reason = True, ""
+                    self.exact_step = int(self.replica.step_count())
                     continue
                 self.replica.apply_message(self._recv_buf, seq)
+                self._checksum_early()
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the main thread
                 self._error = exc
             finally:
                 self._q.task_done()
+
+    def _checksum_early(self) -> None:
+        """(apply thread) The replica's checksum for the verification of the step just
+        applied, where it is not a bit-identical replay: off the training thread."""
+        step = int(self.replica.step_count())
+        if self.verify_every and not self.replica.spec.bit_identical and \
+                self.replica.valid and step % self.verify_every == 0:
+            self._early_sums = {step: self.replica.checksum()}
+
+    def exact(self) -> bool:
+        """Does the replica hold its owner's exact bytes now? Always for a bit-identical
+        replay; for another (a GPU or fused owner) only at the step of its last
+        verification, re-sync or start-up transfer (docs/aor.md)."""
+        return self.replica.valid and (self.replica.spec.bit_identical or
+                                       int(self.replica.step_count()) == self.exact_step)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -347,7 +371,11 @@ class AORTransport:
         (the only way a replay that cannot be bit-identical, a GPU owner's, stays exact
         at every verified iteration). Returns the check, before any re-sync."""
         self.wait()
-        mine = (self.owner.checksum(), self.replica.checksum(), self.replica.valid)
+        step = int(self.replica.step_count())
+        early = self._early_sums.pop(step, None)
+        self._early_sums = {}
+        mine = (self.owner.checksum(), self.replica.checksum() if early is None else early,
+                self.replica.valid)
         gathered = [None] * self.D
         dist.all_gather_object(gathered, mine, group=self.group)
         expected = gathered[self.ranks.index(self.owner_rank)][0]
@@ -359,6 +387,8 @@ class AORTransport:
                  f"{expected:016x}{'' if self.owner.spec.bit_identical else ' (GPU owner)'}",
                  prefix="[AOR]", iteration=iteration, owner=self.owner_rank)
         valid_before = self.replica.valid
+        if match and mine[2]:
+            self.exact_step = step
         held = gathered[self.ranks.index(self.holder_rank)]
         resync_held = not (match and mine[2])               # I receive my owner's shard
         resync_mine = not (held[1] == mine[0] and held[2])  # my holder receives mine
@@ -385,6 +415,7 @@ class AORTransport:
             w.wait()
         if receive:
             self.replica.valid, self.replica.reason = True, ""
+            self.exact_step = int(self.replica.step_count())
             emit("aor_resynced", f"rank {self.rank}: replica of rank {self.owner_rank} "
                  f"re-synced from its owner at iteration {iteration} "
                  f"({self.replica.spec.nbytes} bytes)", prefix="[AOR]",
