@@ -135,8 +135,10 @@ class ReftConfig(ReftFlags):
              "through a pinned staging buffer, one at a time (no page-locked host memory)"))
     aor_verify_every: int = field(default=100, metadata=dict(
         help="with aor: every N iterations compare each host replica's checksum with its "
-             "owner's optimizer shard; a mismatch is logged and disables recovery from "
-             "that replica (0 = never)"))
+             "owner's optimizer shard (any --reft-snapshot-every); a mismatch is logged and "
+             "the replica re-synced from its owner. A replay that cannot be bit-identical "
+             "(a GPU owner, apex/TE FusedAdam) is exact at these iterations only "
+             "(docs/aor.md) (0 = never)"))
     flush_dir: str = field(default="", metadata=dict(
         help="save-on-failure: when a worker dies or the job is preempted, the node's "
              "watcher copies its latest complete snapshots here; REFT-load reads them back "
