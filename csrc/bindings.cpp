@@ -10,6 +10,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "copy_engine.h"
+#include "copy_hash.h"
 #include "cpu_isa.h"
 #include "xor_kernels.h"
 #ifdef REFT_WITH_CUDA
@@ -129,6 +131,57 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa") = "auto", py::arg("nontemporal") = -1, py::arg("chunk_bytes") = 0,
       "blocking multi-threaded copy (GIL released)");
 
+  m.def(
+      "xxh3_64",
+      [](uintptr_t p, size_t n) {
+        const void* ptr = as_ptr<const void>(p, n, "ptr");
+        py::gil_scoped_release nogil;
+        return xxh3_64(ptr, n);
+      },
+      py::arg("ptr"), py::arg("nbytes"), "xxh3_64 of nbytes of host memory (GIL released)");
+
+  // One call per region: units = [(dst, len, zero_from, [(src, dst_off, n, is_device)])]
+  m.def(
+      "copy_hash",
+      [](const std::vector<std::tuple<uintptr_t, size_t, size_t,
+                                      std::vector<std::tuple<uintptr_t, size_t, size_t, bool>>>>&
+             items,
+         int num_threads, int device, uintptr_t stream, uintptr_t after_event,
+         const std::string& isa, bool nontemporal) {
+        std::vector<HashUnit> units;
+        units.reserve(items.size());
+        for (const auto& [dst, len, zero_from, pieces] : items) {
+          HashUnit u{as_ptr<uint8_t>(dst, len, "dst"), len, zero_from, {}};
+          u.pieces.reserve(pieces.size());
+          for (const auto& [src, off, n, dev] : pieces)
+            u.pieces.push_back({as_ptr<const uint8_t>(src, n, "src"), off, n, dev});
+          units.push_back(std::move(u));
+        }
+        PipelineOptions opt;
+        opt.num_threads = std::max(1, num_threads);
+        opt.device = device;
+        opt.stream = stream;
+        opt.after_event = after_event;
+        opt.isa = parse_isa(isa);
+        opt.nontemporal = nontemporal;
+        PipelineStats st;
+        std::vector<uint64_t> digests;
+        {
+          py::gil_scoped_release nogil;
+          digests = copy_and_hash(units, opt, &st);
+        }
+        py::dict stats;
+        stats["seconds"] = st.seconds;
+        stats["event_wait_s"] = st.event_wait_s;
+        stats["threads"] = st.threads;
+        return py::make_tuple(digests, stats);
+      },
+      py::arg("units"), py::arg("num_threads") = 1, py::arg("device") = -1,
+      py::arg("stream") = 0, py::arg("after_event") = 0, py::arg("isa") = "auto",
+      py::arg("nontemporal") = false,
+      "fill and xxh3_64 every unit of a region on num_threads threads (GIL released); "
+      "returns (digests, stats)");
+
   py::class_<CopyHandle, std::shared_ptr<CopyHandle>>(m, "CopyHandle")
       .def("poll", &CopyHandle::poll, "True once every chunk has been copied")
       .def("wait", &CopyHandle::wait, py::arg("timeout") = -1.0,
@@ -176,11 +229,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("chunk_bytes") = 0,
       py::arg("stream") = 0, "enqueue chunked cudaMemcpyAsync on stream; returns a CudaEvent");
   // page-locking GBs takes seconds: a background reservation thread must not hold the GIL
-  m.def("cuda_host_register", [](uintptr_t p, size_t n) {
+  // device >= 0: made current for the call (the rank's device, not the thread's 0)
+  m.def("cuda_host_register", [](uintptr_t p, size_t n, int device) {
     void* ptr = as_ptr<void>(p, n, "ptr");
     py::gil_scoped_release nogil;
-    gpu::host_register(ptr, n);
-  });
+    gpu::host_register(ptr, n, device);
+  }, py::arg("ptr"), py::arg("nbytes"), py::arg("device") = -1);
   m.def("cuda_host_unregister", [](uintptr_t p) {
     py::gil_scoped_release nogil;
     gpu::host_unregister(reinterpret_cast<void*>(p));

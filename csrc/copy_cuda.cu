@@ -73,9 +73,57 @@ void event_destroy(uintptr_t event) {
   REFT_CUDA_CHECK(cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)));
 }
 
-void host_register(void* ptr, size_t n) {
+namespace {
+// Makes `device` current for a scope and restores the caller's device after.
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    if (device < 0) return;
+    REFT_CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != device) REFT_CUDA_CHECK(cudaSetDevice(device));
+    else prev = -1;
+  }
+  ~DeviceGuard() {
+    if (prev >= 0) (void)cudaSetDevice(prev);
+  }
+};
+}  // namespace
+
+void host_register(void* ptr, size_t n, int device) {
+  // the rank's device current: the registration's context is made there, not on GPU 0
+  DeviceGuard guard(device);
   // Portable: every device in the process sees the range as pinned.
   REFT_CUDA_CHECK(cudaHostRegister(ptr, n, cudaHostRegisterPortable));
+}
+
+void set_device(int device) { REFT_CUDA_CHECK(cudaSetDevice(device)); }
+
+void stream_wait_event(uintptr_t stream, uintptr_t event) {
+  REFT_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                                      reinterpret_cast<cudaEvent_t>(event), 0));
+}
+
+void memcpy_async_raw(void* dst, const void* src, size_t n, uintptr_t stream) {
+  REFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault,
+                                  reinterpret_cast<cudaStream_t>(stream)));
+}
+
+uintptr_t record_new_event(uintptr_t stream) {
+  cudaEvent_t ev;
+  REFT_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync));
+  const cudaError_t prior = cudaPeekAtLastError();
+  const cudaError_t err = cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    (void)cudaEventDestroy(ev);
+    clear_own_error(prior, err);
+    throw_cuda_error("cudaEventRecord", err);
+  }
+  return reinterpret_cast<uintptr_t>(ev);
+}
+
+void set_device_guarded_sync(int device, uintptr_t stream) {
+  DeviceGuard guard(device);
+  REFT_CUDA_CHECK(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
 }
 
 void host_unregister(void* ptr) { REFT_CUDA_CHECK(cudaHostUnregister(ptr)); }

@@ -38,7 +38,8 @@ import sys
 import sysconfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CPP_SOURCES = ["csrc/bindings.cpp", "csrc/copy_engine.cpp", "csrc/xor_kernels.cpp"]
+CPP_SOURCES = ["csrc/bindings.cpp", "csrc/copy_engine.cpp", "csrc/copy_hash.cpp",
+               "csrc/xor_kernels.cpp"]
 GPU_SOURCES = ["csrc/copy_cuda.cu", "csrc/xor_cuda.cu"]
 EXT_NAME = "reft_ext._C"
 # The process groups of an in-process restart: needs torch's headers and links libtorch,

@@ -46,6 +46,20 @@ class Unit:
     nbytes: int
     run: Callable[[], int]
     tier: int = TIER2
+    # units of one region sharing ``batch`` run together, one call for several
+    # (batch(units, how) -> their digests: the native copy-and-hash pipeline)
+    batch: Callable[[list["Unit"], str], list[int]] | None = None
+
+
+def same_batch(a: Unit, b: Unit) -> bool:
+    return a.batch is not None and a.batch is b.batch
+
+
+def run_units(units: list[Unit], how: str) -> list[int]:
+    """Digests of ``units`` (one region's, or one unit): one batch call, or run()."""
+    if units[0].batch is not None:
+        return units[0].batch(units, how)
+    return [u.run() for u in units]
 
 
 @dataclass
@@ -129,22 +143,36 @@ class HasWorker:
         self._bubble = False  # read by the thread between chunks; no need to wake it
 
     # ---- the thread ----------------------------------------------------------------------
-    def _pick(self) -> tuple[Unit | None, str]:
+    # most units one call takes: a bubble's are few (its end is heard between calls);
+    # beside compute 256 MiB (the copy engine idles only between calls); a drain's, all
+    GROUP = {"bubble": 4, "compute": 64}
+
+    def _pick(self) -> tuple[list[Unit], str]:
         b = self._batch
         if b is None:
-            return None, ""
+            return [], ""
         how = "drain" if self._draining else ("bubble" if self._bubble else "compute")
+        limit = self.GROUP.get(how, len(b.units))
         if how != "compute" and self._skipped:
-            return b.units[self._skipped.pop(0)], how
+            units = [b.units[self._skipped.pop(0)]]
+            while self._skipped and len(units) < limit and \
+                    same_batch(units[-1], b.units[self._skipped[0]]):
+                units.append(b.units[self._skipped.pop(0)])
+            return units, how
+        units: list[Unit] = []
         while self._next < len(b.units):
             i = self._next
-            self._next += 1
             u = b.units[i]
+            if units and (len(units) >= limit or not same_batch(units[-1], u)):
+                break
+            self._next += 1
             if u.tier == TIER1 and how == "compute":
                 self._skipped.append(i)  # waits for a bubble (or the drain)
                 continue
-            return u, how
-        return None, how
+            units.append(u)
+            if u.batch is None:
+                break
+        return units, how
 
     def _loop(self) -> None:
         while True:
@@ -152,15 +180,15 @@ class HasWorker:
                 while True:
                     if self._closed:
                         return
-                    unit, how = self._pick()
-                    if unit is not None:
+                    units, how = self._pick()
+                    if units:
                         break
                     self._cv.wait()
                 batch = self._batch
             t0 = now_us()
             try:
-                digest = unit.run()
-                if batch.done == 0:  # the batch's first unit copied, the rest not yet
+                digests = run_units(units, how)
+                if batch.done == 0:  # the batch's first units copied, the rest not yet
                     fault_point("has-copy", iteration=batch.iteration, how=how)
             except BaseException as e:  # noqa: BLE001 - reported to the trainer at drain
                 with self._cv:
@@ -170,13 +198,17 @@ class HasWorker:
                     self._on_error(e)
                 return
             t1 = now_us()
-            self.trace.complete(f"{unit.region}[{unit.index}]", f"snapshot-{how}", t0, t1,
-                                tid="snapshot", iteration=batch.iteration,
-                                tier=unit.tier, bytes=unit.nbytes)
+            nbytes = sum(u.nbytes for u in units)
+            first = units[0]
+            name = f"{first.region}[{first.index}]" if len(units) == 1 else \
+                f"{first.region}[{first.index}..{units[-1].index}]"
+            self.trace.complete(name, f"snapshot-{how}", t0, t1, tid="snapshot",
+                                iteration=batch.iteration, tier=first.tier, bytes=nbytes)
             with self._cv:
-                batch.digests.setdefault(unit.region, {})[unit.index] = digest
-                batch.by_how[how] += unit.nbytes
+                for u, digest in zip(units, digests):
+                    batch.digests.setdefault(u.region, {})[u.index] = digest
+                batch.by_how[how] += nbytes
                 batch.busy_s += (t1 - t0) / 1e6
-                batch.done += 1
+                batch.done += len(units)
                 if batch.finished:
                     self._cv.notify_all()

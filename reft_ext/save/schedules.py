@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 
 from reft_ext.report.timeline import PipelineEvents
-from reft_ext.save.has import Batch, HasWorker
+from reft_ext.save.has import Batch, HasWorker, run_units, same_batch
 from reft_ext.save.tiers import Bandwidth, bubble_estimate, plan_tiers
 
 
@@ -30,9 +30,10 @@ class Schedule(ABC):
     inline = False              # True: a snapshot is complete when submit returns
 
     def __init__(self, events: PipelineEvents, bandwidth: Bandwidth,
-                 pipeline: tuple[int, int, int], concurrent: bool):
+                 pipeline: tuple[int, int, int], concurrent: bool, device: bool = False):
         self.events, self.bandwidth = events, bandwidth
         self.pipeline, self.concurrent = pipeline, concurrent  # (pp, vpp, micro-batches)
+        self.device = device  # device state: D2H on the copy engine (tiers.plan_tiers)
 
     @abstractmethod
     def submit(self, batch: Batch) -> None:
@@ -49,8 +50,14 @@ class Schedule(ABC):
 def run_inline(batch: Batch) -> None:
     """Every unit now, in order, on the calling thread (all bytes count as "drain")."""
     t0 = time.perf_counter()
-    for u in batch.units:
-        batch.digests.setdefault(u.region, {})[u.index] = u.run()
+    i, units = 0, batch.units
+    while i < len(units):  # one call per region where its units share a batch
+        j = i + 1
+        while j < len(units) and same_batch(units[i], units[j]):
+            j += 1
+        for u, digest in zip(units[i:j], run_units(units[i:j], "drain")):
+            batch.digests.setdefault(u.region, {})[u.index] = digest
+        i = j
     batch.done = len(batch.units)
     batch.by_how["drain"] = sum(u.nbytes for u in batch.units)
     batch.busy_s = time.perf_counter() - t0
@@ -102,7 +109,8 @@ class HAS(HostThread):
 
     def plan(self, batch: Batch) -> None:
         plan_tiers(batch, self.bandwidth.value,
-                   bubble_estimate(self.events.profile, self.pipeline), self.concurrent)
+                   bubble_estimate(self.events.profile, self.pipeline), self.concurrent,
+                   device=self.device)
 
     def close(self) -> None:
         if self.worker in self.events.listeners:
@@ -114,6 +122,7 @@ SCHEDULES: dict[str, type[Schedule]] = {c.name: c for c in (HAS, EndOfIteration,
 
 
 def make_schedule(name: str, events: PipelineEvents, bandwidth: Bandwidth,
-                  pipeline: tuple[int, int, int], concurrent: bool) -> Schedule:
+                  pipeline: tuple[int, int, int], concurrent: bool,
+                  device: bool = False) -> Schedule:
     """The schedule ``--reft-schedule`` names (ReftConfig checks the name)."""
-    return SCHEDULES[name](events, bandwidth, pipeline, concurrent)
+    return SCHEDULES[name](events, bandwidth, pipeline, concurrent, device)

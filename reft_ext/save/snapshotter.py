@@ -22,6 +22,8 @@ from reft_ext.store.checksum import CHUNK, chunk_digest
 from reft_ext import _native
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
+from reft_ext.copy.pipeline import Pipelines
+from reft_ext.copy.pipeline import available as pipeline_available
 from reft_ext.copy.staging import DeviceToHost, Readahead
 from reft_ext.state.layout import StateLayout
 from reft_ext.state.regions import Region
@@ -126,6 +128,20 @@ class ReftSnapshotter:
         # recorded after the optimizer step (never a pageable copy_ on the training stream)
         self.stager = None if cpu else DeviceToHost(tensors)
         self.store.pin_slots = not cpu and cfg.device_readahead > 0
+        if self.stager is not None and self.stager.devices[0].index is not None:
+            self.store.device = self.stager.devices[0].index  # locked for the state's GPU
+        # the copy-and-hash pipeline (reft_ext/copy/pipeline.py): native threads, one call
+        # per region, N from the bytes and the window (the next forward-backward); the
+        # reference path, a Python fill and chunk_digest per unit, without the extension
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # sharing these cores
+        cpus = _native.num_cpus()
+        busy = local_ranks * torch.get_num_threads() if cpu else 0  # compute's cores
+        one_device = len({t.device for t in tensors if t.device.type != "cpu"}) <= 1
+        self.pipes = None
+        if pipeline_available(not cpu) and one_device:
+            self.pipes = Pipelines(self.nbytes, max(1, cpus // local_ranks),
+                                   max(1, (cpus - busy) // local_ranks),
+                                   lambda: self.events.profile.compute(), self.stager)
         if self.stager is not None:
             self.layout.replicated.device_reader = self.stager
             self.layout.owned.device_reader = self.stager
@@ -140,11 +156,10 @@ class ReftSnapshotter:
                                cfg.log_every_snapshot, adapter.rank == 0)
         self.recovered_from: str | None = None  # set by REFT-load (reft_ext/load/recover.py)
         self.bandwidth = Bandwidth()  # BW_io of Algorithm 1, measured by every snapshot
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # sharing these cores
         self.concurrent_tier2 = concurrent_tier2(cfg.has_tier2, tensors, local_ranks)
         self.schedule = make_schedule(cfg.schedule if cfg.enabled else EndOfIteration.name,
                                       self.events, self.bandwidth, self.pipeline,
-                                      self.concurrent_tier2)
+                                      self.concurrent_tier2, device=not cpu)
         # last: its reservation thread is the only thing a refused start must stop
         # (ReftSession.release_start), so nothing after it may fail
         self._check_memory()
@@ -273,21 +288,34 @@ class ReftSnapshotter:
         batch = Batch(units, iteration)
         streams = {Region.OWN: (lay.replicated, start), Region.OWNED: (lay.owned, 0)}
         ahead = self.stager is not None and self.cfg.device_readahead > 0 and buf.is_pinned()
+        native = self.pipes is not None and (self.stager is None or buf.is_pinned())
         for region, (off, n) in self.regions.items():
             spans = [(lo, buf[off + lo:off + min(n, lo + CHUNK)]) for lo in range(0, n, CHUNK)]
-            fill = fills[region]
-            if ahead and region in streams:  # device bytes straight into the locked slot
+            fill, group = fills[region], None
+            if native and region in streams:  # one native call for many units
+                stream, base = streams[region]
+                group = self.pipes.group(stream, [(base + lo, d) for lo, d in spans],
+                                         lambda r=region: self._fault_once(batch, r))
+            elif ahead and region in streams:  # device bytes straight into the locked slot
                 stream, base = streams[region]
                 ra = Readahead(self.stager, stream, [(base + lo, d) for lo, d in spans],
                                self.cfg.device_readahead)
                 fill = lambda dst, lo, ra=ra: ra.fill(lo // CHUNK)  # noqa: E731
             for index, (lo, dst) in enumerate(spans):
-                units.append(Unit(region, index, dst.numel(),
-                                  self._unit(batch, fill, dst, lo, region)))
+                u = Unit(region, index, dst.numel(), self._unit(batch, fill, dst, lo, region),
+                         batch=group)
+                if group is not None:
+                    u.run = lambda u=u, g=group: g([u], "drain")[0]  # noqa: E731
+                units.append(u)
         self.pending = batch
         batch.slot, batch.t0 = slot, time.perf_counter()
         batch.meta = to_jsonable(self.a.get_meta())
         return batch
+
+    def _fault_once(self, batch: Batch, region: Region) -> None:
+        if region != "own" and not batch.fault_checked:
+            batch.fault_checked = True  # halfway through the write (reft_ext/testing)
+            fault_point("snapshot-write", iteration=batch.iteration)
 
     def _copy(self, stream, lo: int, dst: torch.Tensor) -> None:
         """Stream bytes [lo, lo+len(dst)) into dst: one native copy thread (non-temporal

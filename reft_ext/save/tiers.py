@@ -59,17 +59,26 @@ def bubble_estimate(profile, pipeline: tuple[int, int, int]) -> float:
     return max(formula, profile.bubble() or 0.0)
 
 
+# BW_io before any snapshot measured it: a low guess (one core copying and hashing), so
+# the first snapshot gives the bubbles no more than they can hold, the rest is tier 2
+PRIOR_BANDWIDTH = 1e9
+
+
 def plan_tiers(batch: Batch, bandwidth: float | None, t_bubble: float,
-               concurrent: bool, everything_tier2: bool = False) -> None:
+               concurrent: bool, everything_tier2: bool = False,
+               device: bool = False) -> None:
     """Set ``batch.split`` and each unit's tier: the first ``split.bubble_bytes`` (in unit
     order) are tier 1; without ``concurrent`` tier 2 waits, like tier 1, for a bubble or
     the drain. ``everything_tier2``: the host-thread baseline (copies at once, unaware of
-    the bubbles; pass ``t_bubble`` 0)."""
+    the bubbles; pass ``t_bubble`` 0). ``device``: the units are device state, copied by
+    the GPU's copy engine whatever the CPU does (the CPU never sits in an NCCL p2p call
+    for a bubble's length, so a tier-1 unit would wait for the drain): with
+    ``concurrent`` every unit is tier 2, copied beside compute at once."""
     nbytes = sum(u.nbytes for u in batch.units)
-    t_snap = snapshot_time(nbytes, bandwidth) if bandwidth else float("inf")
+    t_snap = snapshot_time(nbytes, bandwidth or PRIOR_BANDWIDTH)
     split = tier_split(nbytes, t_snap, t_bubble)
-    if bandwidth is None and t_bubble > 0:  # first snapshot: bubbles only
-        split = tier_split(nbytes, 0.0, t_bubble)
+    if device and concurrent:
+        everything_tier2 = True
     batch.split, seen = split, 0
     for u in batch.units:
         bubble = seen < split.bubble_bytes or not concurrent

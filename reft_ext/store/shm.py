@@ -155,6 +155,7 @@ class ShmSegment:
         self._mm: mmap.mmap | None = None
         self._retired: list[mmap.mmap] = []  # older mappings that live views still use
         self._pinned_ptr: int | None = None
+        self._pinned_device: int | None = None  # the device it was locked with
         self._map()
 
     # ------------------------------------------------------------ lifecycle
@@ -315,8 +316,10 @@ class ShmSegment:
     def pinned(self) -> bool:
         return self._pinned_ptr is not None
 
-    def pin(self) -> bool:
-        """Page-locks the mapping for async device->host copies; False without CUDA."""
+    def pin(self, device: int | None = None) -> bool:
+        """Page-locks the mapping for async device->host copies; False without CUDA.
+        ``device``: current for the registration (the rank's: a thread's own is 0, and
+        the registration would make a context on GPU 0); None: the thread's."""
         if self._pinned_ptr is not None:
             return True
         if self._mm is None or not torch.cuda.is_available():
@@ -326,22 +329,26 @@ class ShmSegment:
         # refused by some drivers
         n = -(-max(self.nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
         if _native.C is not None and _native.HAVE_NATIVE_CUDA:
-            _native.C.cuda_host_register(ptr, n)
+            _native.C.cuda_host_register(ptr, n, -1 if device is None else int(device))
         else:
-            rc = torch.cuda.cudart().cudaHostRegister(ptr, n, 1)  # 1 = Portable
+            with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+                rc = torch.cuda.cudart().cudaHostRegister(ptr, n, 1)  # 1 = Portable
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister({self.path}, {n}) failed: {rc}")
         self._pinned_ptr = ptr
+        self._pinned_device = device
         return True
 
     def unpin(self) -> None:
         if self._pinned_ptr is None:
             return
         ptr, self._pinned_ptr = self._pinned_ptr, None
-        if _native.C is not None and _native.HAVE_NATIVE_CUDA:
-            _native.C.cuda_host_unregister(ptr)
-        else:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+        dev = self._pinned_device
+        with torch.cuda.device(dev if dev is not None else torch.cuda.current_device()):
+            if _native.C is not None and _native.HAVE_NATIVE_CUDA:
+                _native.C.cuda_host_unregister(ptr)
+            else:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
 
     # ------------------------------------------------------------ mapping
     def _map(self) -> None:

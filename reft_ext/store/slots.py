@@ -126,6 +126,11 @@ def region_verified(data: torch.Tensor, manifest: dict, region: str) -> bool:
     return n == 0 or checksum(data[off:off + n], manifest.get("checksum", "crc32")) == crc
 
 
+def current_device() -> int | None:
+    """The calling thread's CUDA device (None without CUDA)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
 class SnapshotStore:
     def __init__(self, job_id: str, node: int, rank: int, base_dir: str, slots: int = 2):
         if slots < 2:
@@ -149,6 +154,10 @@ class SnapshotStore:
         # page-lock the slots (state on a GPU: the D2H lands in the slot, asynchronously);
         # a slot made by the background reservation is locked there, others at begin()
         self.pin_slots = False
+        # the device the slots are locked for: the caller's (the rank's), recorded on the
+        # caller's thread; the reservation thread's own would be 0 (a new thread's), a
+        # context on another rank's GPU (or refused under EXCLUSIVE_PROCESS)
+        self.device: int | None = None
 
     def _name(self, slot: int, ext: str) -> str:
         return f"rank{self.rank}.slot{slot}.{ext}"
@@ -202,6 +211,8 @@ class SnapshotStore:
             pass
         seg = self._segment(slot, nbytes)
         if self.pin_slots and not seg.pinned:
+            if self.device is None:
+                self.device = current_device()
             self._page_lock(seg)
         return slot, seg.tensor(torch.uint8, 0, nbytes)
 
@@ -210,7 +221,7 @@ class SnapshotStore:
         tmpfs: cudaHostRegister takes no disk-backed mapping) the slots stay unlocked and
         device bytes go through pinned staging, said once."""
         try:
-            seg.pin()
+            seg.pin(device=self.device)
         except RuntimeError as exc:
             if self.pin_slots:
                 self.pin_slots = False
@@ -241,6 +252,8 @@ class SnapshotStore:
             else:
                 todo.append((key, fname, n))
         handover.release()  # a failed generation's segments this store did not claim
+        if self.pin_slots and self.device is None:
+            self.device = current_device()  # here, on the caller's thread
         if not background or not todo:
             for key, fname, n in todo:
                 self._open(key, fname, n)

@@ -118,3 +118,31 @@ def test_gpu_owner_grads_come_down_pinned_and_the_replay_stays_close():
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)  # close, not promised equal
     owner.pack_state(rep.buffer)  # re-sync
     assert rep.checksum() == owner.checksum()
+
+
+def test_copy_down_tensor_by_tensor_is_the_cat_layout_bit_for_bit():
+    """A device owner's grads (and its start-up pack) go down tensor by tensor, each
+    straight to its offset, with no whole-shard torch.cat: the bytes are exactly the old
+    layout's (torch.cat of the flattened tensors), odd lengths and shapes included; a
+    buffer of another size is refused."""
+    gen = torch.Generator().manual_seed(5)
+    src = [torch.randn(*shape, generator=gen) for shape in ((3, 7), (1,), (5, 2, 3), (13,))]
+    want = torch.cat([t.reshape(-1) for t in src])
+    out = torch.full_like(want, float("nan"))
+    R.copy_flat(src, out)
+    assert torch.equal(as_bytes(out), as_bytes(want))
+    # the owner's pack (the start-up's whole-shard message) keeps its layout too
+    ps, opt, owner = _owner()
+    _grads(ps, 1)
+    opt.step()
+    packed = torch.empty(owner.spec.nbytes, dtype=torch.uint8)
+    owner.pack_state(packed)
+    for name, key in (("param", None), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+        tensors = ps if key is None else [opt.state[p][key] for p in ps]
+        got = R.region(packed, owner.spec, name)
+        one_by_one = torch.empty_like(got)
+        R.copy_flat(tensors, one_by_one)
+        assert torch.equal(as_bytes(got), as_bytes(torch.cat([t.reshape(-1) for t in tensors])))
+        assert torch.equal(as_bytes(one_by_one), as_bytes(got))
+    with pytest.raises(ValueError, match="elements into a buffer"):
+        R.copy_flat(src, torch.empty(want.numel() + 1))

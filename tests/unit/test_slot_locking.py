@@ -6,8 +6,11 @@ replaced by a recorder, or by the refusal an H100 gave for a mapping of a disk f
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from reft_ext.store import slots
 from reft_ext.store.shm import ShmSegment
 
 NBYTES = 1 << 20
@@ -20,7 +23,8 @@ def store(shm_store):
 
 def test_slots_are_locked_when_made_and_the_aor_buffer_is_not(store, monkeypatch):
     locked = []
-    monkeypatch.setattr(ShmSegment, "pin", lambda seg: locked.append(seg.path) or True)
+    monkeypatch.setattr(ShmSegment, "pin",
+                        lambda seg, device=None: locked.append(seg.path) or True)
     store.pin_slots = True
     store.reserve(NBYTES, {"aor": 4096}, background=True)
     store.begin(NBYTES)
@@ -30,7 +34,7 @@ def test_slots_are_locked_when_made_and_the_aor_buffer_is_not(store, monkeypatch
 
 
 def test_unlocked_store_locks_nothing(store, monkeypatch):
-    monkeypatch.setattr(ShmSegment, "pin", lambda seg: pytest.fail("pinned"))
+    monkeypatch.setattr(ShmSegment, "pin", lambda seg, device=None: pytest.fail("pinned"))
     store.reserve(NBYTES, background=True)
     store.begin(NBYTES)
 
@@ -38,7 +42,7 @@ def test_unlocked_store_locks_nothing(store, monkeypatch):
 def test_a_refused_lock_falls_back_to_unlocked_slots_said_once(store, monkeypatch, capsys):
     calls = []
 
-    def refuse(seg):
+    def refuse(seg, device=None):
         calls.append(seg.path)
         raise RuntimeError("cudaHostRegister(ptr, n, cudaHostRegisterPortable): "
                            "cudaErrorInvalidValue (invalid argument)")
@@ -54,3 +58,23 @@ def test_a_refused_lock_falls_back_to_unlocked_slots_said_once(store, monkeypatc
     assert len(calls) == 1 and not store.pin_slots
     assert text.count("cannot page-lock the snapshot slots") == 1
     assert "--reft-shm-dir" in text
+
+
+def test_the_background_reservation_locks_for_the_callers_device(store, monkeypatch):
+    """The slots are locked by the reservation thread with the device of the thread that
+    asked for them (the rank's, recorded at reserve()), never the thread's own (a new
+    thread's device is 0: a context on rank 0's GPU for every rank). Here the caller's
+    device is 3 and any other thread's 0, as the CUDA runtime has it."""
+    caller = threading.current_thread()
+    monkeypatch.setattr(slots, "current_device",
+                        lambda: 3 if threading.current_thread() is caller else 0)
+    locked = []
+    monkeypatch.setattr(ShmSegment, "pin", lambda seg, device=None: locked.append(
+        (threading.current_thread().name, device)) or True)
+    store.pin_slots = True
+    store.reserve(NBYTES, background=True)
+    store.release_slots()
+    store._creator.join(30)
+    store.begin(NBYTES)  # (the recorder leaves it unlocked: begin() locks it again)
+    assert locked[:2] == [("reft-shm-reserve", 3), ("reft-shm-reserve", 3)]
+    assert {dev for _, dev in locked} == {3}

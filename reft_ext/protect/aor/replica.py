@@ -175,13 +175,32 @@ def wsum64(pieces) -> int:
     return (t1 + 0x9E3779B97F4A7C15 * (t2 & _MASK64) + pos) & _MASK64
 
 
+def copy_flat(src: list, out: torch.Tensor, non_blocking: bool = False) -> None:
+    """``src`` end to end into ``out`` (the layout of ``torch.cat``), each tensor copied
+    straight to its offset: no temporary the size of the whole (a device owner's fp32
+    shard, at the step's memory peak). ``non_blocking``: device -> pinned host copies
+    are only queued (on the current stream)."""
+    off = 0
+    for t in src:
+        n = t.numel()
+        out[off:off + n].copy_(t.reshape(-1), non_blocking=non_blocking)
+        off += n
+    if off != out.numel():
+        raise ValueError(f"AOR: {off} elements into a buffer of {out.numel()}")
+
+
 def _cat_into(src: list, out: torch.Tensor) -> None:
     """Flatten ``src`` end to end into ``out`` (host), from host or device tensors."""
     flat = [t.reshape(-1) for t in src]
     if flat[0].device == out.device:
         torch.cat(flat, out=out)
-    else:  # cat on the device, one copy down (torch.cat cannot write across devices)
-        out.copy_(torch.cat(flat))
+        return
+    # device -> host tensor by tensor (no shard-sized device temporaries at start-up);
+    # into pinned memory queued, then one wait for all of them
+    pinned = out.is_pinned()
+    copy_flat(flat, out, non_blocking=pinned)
+    if pinned:
+        torch.cuda.current_stream(flat[0].device).synchronize()
 
 
 def host_buffer(nbytes: int, pinned: bool = False) -> torch.Tensor:
@@ -369,7 +388,7 @@ class OwnerShard:
             torch.cat([p.grad.reshape(-1) for p in params], out=grads)
 
     def _copy_down(self, src: list, out: torch.Tensor) -> None:
-        """Post flatten + device -> pinned host copy on a side stream, after the work
+        """Post the device -> pinned host copies on a side stream, after the work
         the compute stream has queued (the reduce-scatter, unscale, clip of ``src``);
         an event marks its end. The optimizer's kernels run meanwhile (they only read
         the grads, which stay alive until :meth:`wait_capture`)."""
@@ -382,9 +401,11 @@ class OwnerShard:
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            flat = torch.cat([t.reshape(-1) for t in src])
-            out.copy_(flat, non_blocking=True)
-            flat.record_stream(stream)  # freed by the allocator only after the copy
+            # each grad straight to its offset of the pinned message: no whole-shard
+            # torch.cat on the device at the step's memory peak
+            copy_flat(src, out, non_blocking=True)
+            for t in src:
+                t.record_stream(stream)  # not reused by the allocator before the copy
             self._copied.record(stream)
 
     def wait_capture(self) -> None:

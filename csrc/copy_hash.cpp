@@ -1,0 +1,177 @@
+// The copy-and-hash pipeline (copy_hash.h).  Threads are made per call: a region is
+// megabytes to gigabytes, a thread start is tens of microseconds, and a thread of our
+// own may have its device set without touching the caller's (a Python thread).
+#include "copy_hash.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "copy_engine.h"
+#ifdef REFT_WITH_CUDA
+#include "cuda_ops.h"
+#endif
+
+// xxHash 0.8.4, the library python-xxhash wraps (csrc/third_party/xxhash/README)
+#define XXH_INLINE_ALL
+#include "third_party/xxhash/xxhash.h"
+
+namespace reft {
+
+uint64_t xxh3_64(const void* p, size_t n) { return XXH3_64bits(p, n); }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Shared state of one call.
+struct Run {
+  const std::vector<HashUnit>& units;
+  const PipelineOptions& opt;
+  std::vector<uint64_t> digests;
+  std::vector<uintptr_t> events;  // per unit with device pieces (0: none)
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  size_t issued = 0;  // units whose copies and event are queued (under mu)
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string error;
+  std::atomic<int64_t> wait_ns{0};
+
+  Run(const std::vector<HashUnit>& u, const PipelineOptions& o)
+      : units(u), opt(o), digests(u.size(), 0), events(u.size(), 0) {}
+
+  void fail(const std::string& what) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (error.empty()) error = what;
+    failed.store(true);
+    cv.notify_all();
+  }
+};
+
+bool has_device(const HashUnit& u) {
+  for (const auto& p : u.pieces)
+    if (p.device) return true;
+  return false;
+}
+
+#ifdef REFT_WITH_CUDA
+// Queues every unit's device copies in unit order (the DMA engine never idles between
+// them), an event after each unit's; the workers follow the events.
+void issue(Run& r) {
+  try {
+    gpu::set_device(r.opt.device);
+    if (r.opt.after_event) gpu::stream_wait_event(r.opt.stream, r.opt.after_event);
+    for (size_t i = 0; i < r.units.size() && !r.failed.load(); ++i) {
+      const HashUnit& u = r.units[i];
+      if (has_device(u)) {
+        for (const auto& p : u.pieces)
+          if (p.device) gpu::memcpy_async_raw(u.dst + p.dst_off, p.src, p.n, r.opt.stream);
+        r.events[i] = gpu::record_new_event(r.opt.stream);
+      }
+      std::lock_guard<std::mutex> lk(r.mu);
+      r.issued = i + 1;
+      r.cv.notify_all();
+    }
+  } catch (const std::exception& e) {
+    r.fail(e.what());
+  }
+}
+#endif
+
+void work(Run& r) {
+  try {
+#ifdef REFT_WITH_CUDA
+    if (r.opt.device >= 0) gpu::set_device(r.opt.device);
+#endif
+    const size_t n = r.units.size();
+    size_t i;
+    while (!r.failed.load() && (i = r.next.fetch_add(1)) < n) {
+      const HashUnit& u = r.units[i];
+      if (has_device(u)) {
+#ifdef REFT_WITH_CUDA
+        auto t0 = Clock::now();
+        {
+          std::unique_lock<std::mutex> lk(r.mu);
+          r.cv.wait(lk, [&] { return r.issued > i || r.failed.load(); });
+        }
+        if (r.failed.load()) return;
+        gpu::event_synchronize(r.events[i]);  // blocking-sync event: the thread sleeps
+        r.wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+            Clock::now() - t0).count());
+#else
+        throw std::runtime_error("a device piece, but reft_ext._C was built without CUDA");
+#endif
+      }
+      for (const auto& p : u.pieces)
+        if (!p.device) copy_range(u.dst + p.dst_off, p.src, p.n, r.opt.isa, r.opt.nontemporal);
+      if (u.zero_from < u.len) std::memset(u.dst + u.zero_from, 0, u.len - u.zero_from);
+      r.digests[i] = XXH3_64bits(u.dst, u.len);
+    }
+  } catch (const std::exception& e) {
+    r.fail(e.what());
+  }
+}
+
+}  // namespace
+
+std::vector<uint64_t> copy_and_hash(const std::vector<HashUnit>& units,
+                                    const PipelineOptions& opt, PipelineStats* stats) {
+  const auto t0 = Clock::now();
+  for (const auto& u : units) {
+    if (u.len && u.dst == nullptr) throw std::invalid_argument("unit destination is null");
+    if (u.zero_from > u.len) throw std::invalid_argument("unit zero_from beyond its length");
+    for (const auto& p : u.pieces) {
+      if (p.dst_off + p.n > u.len) throw std::invalid_argument("piece beyond its unit");
+      if (p.n && p.src == nullptr) throw std::invalid_argument("piece source is null");
+    }
+  }
+  bool device = std::any_of(units.begin(), units.end(), has_device);
+#ifndef REFT_WITH_CUDA
+  if (device) throw std::runtime_error("device pieces need reft_ext._C built with CUDA/ROCm");
+#endif
+  if (device && opt.device < 0) throw std::invalid_argument("device pieces need a device");
+  Run r(units, opt);
+  const int n = std::max(1, std::min<int>(opt.num_threads, int(std::max<size_t>(1, units.size()))));
+  std::vector<std::thread> threads;
+  threads.reserve(n + 1);
+#ifdef REFT_WITH_CUDA
+  if (device) threads.emplace_back([&r] { issue(r); });
+#else
+  (void)device;
+#endif
+  for (int t = 0; t < n; ++t) threads.emplace_back([&r] { work(r); });
+  for (auto& t : threads) t.join();
+#ifdef REFT_WITH_CUDA
+  if (device) {
+    // on a failure, copies queued before it may still run: none may outlive the call
+    if (r.failed.load()) {
+      try {
+        gpu::set_device_guarded_sync(opt.device, opt.stream);
+      } catch (...) {
+      }
+    }
+    for (uintptr_t ev : r.events)
+      if (ev) try { gpu::event_destroy(ev); } catch (...) {}
+  }
+#endif
+  if (r.failed.load()) throw std::runtime_error("copy_and_hash: " + r.error);
+  if (stats) {
+    stats->seconds = since(t0);
+    stats->event_wait_s = r.wait_ns.load() * 1e-9;
+    stats->threads = n;
+  }
+  return std::move(r.digests);
+}
+
+}  // namespace reft

@@ -1,0 +1,169 @@
+"""The native copy-and-hash pipeline (csrc/copy_hash.cpp, reft_ext/copy/pipeline.py)
+against the Python reference: the bytes StreamLayout.read writes and chunk_digest
+(python-xxhash) of them, for host sources, odd tails, several threads, many regions."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from reft_ext import _native
+from reft_ext.copy import pipeline
+from reft_ext.copy.pipeline import RegionPipeline, choose_threads, unit_pieces
+from reft_ext.save.has import Batch, HasWorker, Unit, run_units
+from reft_ext.report.timeline import Trace
+from reft_ext.state.layout import StreamLayout
+from reft_ext.store.checksum import CHUNK, chunk_digest
+
+native = pytest.mark.skipif(_native.C is None or not hasattr(_native.C, "copy_hash"),
+                            reason=f"reft_ext._C not built: {_native.REASON}")
+
+
+def _tensors(seed: int, sizes, dtypes=(torch.float32, torch.bfloat16, torch.uint8)):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(sizes):
+        dt = dtypes[i % len(dtypes)]
+        t = torch.randint(0, 256, (n * torch.tensor([], dtype=dt).element_size(),),
+                          dtype=torch.uint8, generator=g).view(dt)
+        out.append((f"t{i}", t))
+    return out
+
+
+def _spans(nbytes: int, base: int = 0, pad: int = 0):
+    """Units of one 4 MiB chunk over stream bytes [base, base + nbytes + pad)."""
+    total = nbytes + pad
+    buf = torch.full((total,), 0xAB, dtype=torch.uint8)  # stale bytes: padding must be zeroed
+    return buf, [(base + lo, buf[lo:min(total, lo + CHUNK)]) for lo in range(0, total, CHUNK)]
+
+
+def _reference(stream: StreamLayout, spans):
+    out = []
+    for lo, dst in spans:
+        ref = torch.empty_like(dst)
+        stream.read(lo, lo + dst.numel(), ref)
+        out.append((ref, chunk_digest(ref)))
+    return out
+
+
+@native
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_digests_and_bytes_equal_the_reference(threads):
+    # odd sizes: pieces cross unit boundaries, the last unit is a short odd tail
+    stream = StreamLayout(_tensors(threads, [3 * CHUNK // 4 + 7, 1, CHUNK + 333, 12345]))
+    buf, spans = _spans(stream.nbytes, pad=101)  # the stream's padded tail reads as zeros
+    pipe = RegionPipeline(stream, spans, lambda n: threads)
+    digests = pipe.run(range(len(spans)))
+    for (ref, want), (_, dst), got in zip(_reference(stream, spans), spans, digests):
+        assert torch.equal(dst, ref)
+        assert got == want
+    assert pipe.stats[-1]["threads"] == min(threads, len(spans))
+
+
+@native
+def test_any_subset_in_any_order_and_offset_regions():
+    stream = StreamLayout(_tensors(7, [5 * CHUNK // 2 + 3, 999, 2 * CHUNK]))
+    base = CHUNK + 17  # a member's slice starts inside the stream (Region.OWN)
+    buf, spans = _spans(stream.nbytes - base)
+    pipe = RegionPipeline(stream, spans, lambda n: 2)
+    ref = _reference(stream, spans)
+    order = list(range(len(spans)))[1::2] + list(range(len(spans)))[0::2][::-1]
+    assert sorted(order) == list(range(len(spans)))
+    got = pipe.run(order)
+    assert got == [ref[i][1] for i in order]
+    assert torch.equal(buf, torch.cat([r for r, _ in ref]))
+
+
+@native
+def test_many_regions_at_once_from_several_python_threads():
+    """Several regions, each one native call, from several Python threads together (the
+    GIL is released for each whole call): every digest still the reference's."""
+    results, errors = {}, []
+
+    def one(k):
+        try:
+            stream = StreamLayout(_tensors(100 + k, [CHUNK // 3 + k, 2 * CHUNK + 5 * k]))
+            _, spans = _spans(stream.nbytes)
+            got = RegionPipeline(stream, spans, lambda n: 2).run(range(len(spans)))
+            results[k] = got == [d for _, d in _reference(stream, spans)]
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == {k: True for k in range(6)}
+
+
+@native
+def test_xxh3_of_every_small_length_is_pythons():
+    """The short-input paths of XXH3 (0-16, 17-128, 129-240 bytes) and a long one."""
+    data = torch.randint(0, 256, (CHUNK + 5,), dtype=torch.uint8)
+    for n in list(range(0, 260)) + [1023, 4096 + 1, CHUNK + 5]:
+        assert _native.C.xxh3_64(data.data_ptr(), n) == chunk_digest(data[:n]), n
+
+
+@native
+def test_bad_input_is_refused_before_any_write():
+    dst = torch.zeros(16, dtype=torch.uint8)
+    src = torch.ones(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="beyond its unit"):
+        _native.C.copy_hash([(dst.data_ptr(), 8, 8, [(src.data_ptr(), 4, 8, False)])], 1)
+    with pytest.raises(ValueError, match="zero_from"):
+        _native.C.copy_hash([(dst.data_ptr(), 8, 9, [])], 1)
+    assert dst.sum().item() == 0
+    if not _native.HAVE_NATIVE_CUDA:  # a device piece on a build without the CUDA part
+        with pytest.raises(RuntimeError, match="CUDA"):
+            _native.C.copy_hash([(dst.data_ptr(), 8, 8, [(src.data_ptr(), 0, 8, True)])], 1, 0)
+
+
+def test_choose_threads_from_bytes_and_window():
+    assert choose_threads(10 << 30, None, 4e9, 8) == 8          # the drain: all it may use
+    assert choose_threads(10 << 30, 0.0, 4e9, 8) == 8
+    assert choose_threads(4 << 30, 1.5, 4e9, 8) == 1            # fits one thread's window
+    assert choose_threads(19_100_000_000, 1.35, 9.3e9, 16) == 2  # docs/gpu.md's H100 case
+    assert choose_threads(19_100_000_000, 0.5, 9.3e9, 16) == 5
+    assert choose_threads(1 << 40, 0.1, 1e9, 3) == 3            # never above the cap
+
+
+def test_unit_pieces_sweep_equals_stream_pieces():
+    stream = StreamLayout(_tensors(3, [5, 100, 1, 70, 33]))
+    starts = list(range(0, stream.nbytes + 40, 37))
+    got = unit_pieces(stream, starts, [37] * len(starts))
+    for lo, (pieces, covered) in zip(starts, got):
+        want = [(p.index, p.src_off, p.dst_off, p.n) for p in stream.pieces(lo, lo + 37)]
+        assert pieces == want and covered == sum(p[3] for p in want)
+
+
+def test_available_needs_the_cuda_part_for_device_sources():
+    assert pipeline.available(False) == (_native.C is not None)
+    assert pipeline.available(True) == (_native.C is not None and _native.HAVE_NATIVE_CUDA)
+
+
+def test_has_worker_runs_a_regions_units_in_groups():
+    """Units sharing a batch call run several per call (all of them at the drain), and
+    every unit's digest lands at its index."""
+    calls = []
+
+    def group(units, how):
+        calls.append((how, [u.index for u in units]))
+        return [1000 + u.index for u in units]
+
+    units = [Unit("own", i, CHUNK, run=lambda: -1, batch=group) for i in range(10)]
+    units.append(Unit("redundancy", 0, CHUNK, run=lambda: 7))
+    batch = Batch(units, iteration=1)
+    assert run_units(units[:3], "drain") == [1000, 1001, 1002]
+    w = HasWorker(Trace(0, False))
+    try:
+        w._draining = True  # as drain() would: everything now
+        w.submit(batch)
+        w.drain()
+    finally:
+        w.close()
+    assert batch.digests["own"] == {i: 1000 + i for i in range(10)}
+    assert batch.digests["redundancy"] == {0: 7}
+    assert all(len(ix) > 1 for _, ix in calls) and len(calls) < 10
