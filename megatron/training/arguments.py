@@ -178,7 +178,8 @@ def _add_checkpoint_args(p):
                         "iteration ITER at moment PHASE (default step: right before the "
                         "optimizer step) on torchrun attempt ATTEMPT (default 0), once per "
                         "process; MODE node|snapshot|shm-full|corrupt[-replica|-manifest|"
-                        "-committed] adds REFT damage. Phases: " + ", ".join(PHASES) +
+                        "-committed] adds REFT damage; RANK:ITER:CONT:slow:F makes RANK F "
+                        "times slower from ITER (a straggler). Phases: " + ", ".join(PHASES) +
                         " (reft_ext/testing/fault_specs.py)")
     g.add_argument("--inject-spike", type=str, default=None, metavar="RANK:ITER[:scale|nan]",
                    help="tests: before ITER's optimizer step, multiply RANK's gradients by "
@@ -208,6 +209,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     from reft_ext.cluster.health_config import HealthConfig
 
     HealthConfig.add_arguments(p)
+    from reft_ext.cluster.straggler_config import StragglerConfig
+
+    StragglerConfig.add_arguments(p)
     from reft_ext.zeropp.config import ZeroPPConfig
 
     ZeroPPConfig.add_arguments(p)
@@ -216,12 +220,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None, extra_args_provider=None, world_size=None):
+def parse_args(argv=None, extra_args_provider=None, world_size=None, facts=None):
     args = build_parser(extra_args_provider).parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
-    validate_args(args)
+    validate_args(args, facts)
     _check_paths(args)
     return args
 
@@ -236,8 +240,13 @@ def _apply_preset(args):
         args.max_position_embeddings = args.seq_length
 
 
-def validate_args(args):
-    """Fill derived values and reject impossible layouts with one-line errors."""
+def validate_args(args, facts=None):
+    """Fill derived values and reject impossible layouts with one-line errors.
+    ``facts``: the machine's (megatron/training/device_facts.py; None: probed here), the
+    only thing of the machine the judgement depends on."""
+    from megatron.training.device_facts import DeviceFacts
+
+    facts = DeviceFacts.probe() if facts is None else facts
     _apply_preset(args)
     tp, pp, ws = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, \
         args.world_size
@@ -252,7 +261,7 @@ def validate_args(args):
     args.data_parallel_size = ws // (tp * pp)
     check_model_split(args, tp, pp, _fail)
     _validate_virtual_pipeline(args)
-    _validate_transformer_impl(args)
+    _validate_transformer_impl(args, facts)
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
@@ -306,6 +315,7 @@ def validate_args(args):
     _validate_optimizer(args)
     _validate_reft(args)
     _validate_zeropp(args)
+    _validate_on_device(args, facts)
     if args.inject_fault is not None:  # a phase this run never reaches would never fire
         try:
             check_fault_phases(parse_fault_specs(args.inject_fault, ws), args)
@@ -342,22 +352,10 @@ def resolve_transformer_impl(requested, te_missing):
     return requested
 
 
-def _validate_transformer_impl(args):
+def _validate_transformer_impl(args, facts):
     """Resolved and checked here, so a missing TE is one argument error, not a TypeError
     or NameError while the model is built."""
-    import torch
-
-    if args.transformer_impl == "local":
-        missing = None
-    elif not torch.cuda.is_available():  # (no model import: a CPU start stays one line)
-        missing = "no CUDA device here"
-    else:
-        import warnings
-
-        with warnings.catch_warnings():  # megatron-core's import notes: not an error
-            warnings.simplefilter("ignore")
-            from megatron.training.llama_model import transformer_engine_missing
-        missing = transformer_engine_missing()
+    missing = None if args.transformer_impl == "local" else facts.te_missing
     args.transformer_impl = resolve_transformer_impl(args.transformer_impl, missing)
     if args.transformer_impl != "transformer_engine":
         return
@@ -392,6 +390,31 @@ def _validate_optimizer(args):
               "exp_avg_sq) only; drop --use-distributed-optimizer or use --optimizer adam")
 
 
+def _validate_on_device(args, facts):
+    """What only the machine decides: the optimizer megatron-core builds there (TE's or
+    apex's FusedAdam/FusedSGD, else torch's) judged by REFT's table of optimizer kinds,
+    one NCCL rank per device, and NCCL's error handling under an in-process restart."""
+    from megatron.training.optimizer_state import BUILT_BY, kind_named
+
+    if facts.device == "cpu":
+        return
+    kind = kind_named(BUILT_BY[(facts.optimizers, args.optimizer)])
+    if "aor" in str(args.reft_protect or "").split(",") and kind.aor is None:
+        _fail("--reft-protect", f"aor cannot replay {kind.name} (what megatron-core builds "
+              f"for --optimizer {args.optimizer} with {facts.optimizers}); drop aor")
+    nccl = (args.distributed_backend or "nccl") == "nccl"  # (initialize.py's default)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if nccl and per_node > facts.count:
+        _fail("--nproc-per-node", f"{per_node} ranks per node, {facts.count} "
+              f"{'GCD' if facts.hip else 'GPU'}(s): NCCL takes one device per rank")
+    from reft_ext.cluster import inprocess
+
+    if inprocess.enabled() and args.reft_restart == "in-process" and nccl:
+        problem = inprocess.nccl_teardown_problem()
+        if problem is not None:
+            _fail(*problem)
+
+
 def _validate_zeropp(args):
     from reft_ext.zeropp.config import ZeroPPConfig, ZeroPPConfigError
 
@@ -422,6 +445,9 @@ def _validate_reft(args):
         cfg = ReftConfig.from_args(args)
         health = HealthConfig.from_args(args)
         rollback = RollbackConfig.from_args(args)
+        from reft_ext.cluster.straggler_config import StragglerConfig
+
+        StragglerConfig.from_args(args)  # its flags' checks (one line naming the flag)
     except ReftConfigError as exc:
         raise ArgumentError(str(exc)) from None
     nodes = args.world_size // max(1, cfg.ranks_per_node)
