@@ -69,10 +69,9 @@ export FI_CXI_DEFAULT_TX_SIZE=${FI_CXI_DEFAULT_TX_SIZE:-2048}
 export FI_CXI_RX_MATCH_MODE=${FI_CXI_RX_MATCH_MODE:-hybrid}
 
 # ---- torch on ROCm ---------------------------------------------------------------------
-# A rank that dies inside a collective leaves its peers blocked: the watchdog aborts the
-# communicator and ends the process (torchrun then restarts the workers) when a
-# collective fails or outlasts --distributed-timeout-minutes. Same name on ROCm.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# What the watchdog does when a collective fails (TORCH_NCCL_ASYNC_ERROR_HANDLING, same
+# name on ROCm) depends on the restart mode: examples/slurm/reft_job.sh sets it for
+# RESTART (in-process: 0, the survivors stay; torchrun: 1, the agent restarts them).
 # megatron-core's TP/SP communication overlap relies on in-order kernel issue; it checks
 # this variable on ROCm builds too
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}

@@ -90,6 +90,11 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then
     printf '[launch] dry run: %s:' "${what// /_}"
     printf ' %q' "${cmd[@]:0:n_launcher}"; echo
     printf '[launch] dry run: trainer:'; printf ' %q' "$@"; echo
+    # the communication settings the workers inherit (what the trainer judges them by)
+    printf '[launch] dry run: env:'
+    while IFS= read -r kv; do printf ' %q' "$kv"; done < <(env | LC_ALL=C sort |
+        grep -E '^(TORCH_NCCL_|NCCL_|CUDA_DEVICE_MAX_CONNECTIONS=|GLOO_SOCKET_IFNAME=|OMP_NUM_THREADS=)')
+    echo
     exit 0
 fi
 

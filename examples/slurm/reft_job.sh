@@ -77,12 +77,19 @@ reft_job_setup() {
     # in-process where it applies (a job of fixed size), else torchrun's restart
     RESTART=${RESTART:-$( (( NNODES_MIN == NNODES_MAX )) && echo in-process || echo torchrun)}
     SPARE_WORKERS=${SPARE_WORKERS:-1}
+    # What each mode needs from NCCL's watchdog, set here (not left to a default): on a
+    # failed collective, torchrun's restart wants the process ended (1: abort the
+    # communicators and exit, so the agent restarts the workers); the in-process restart
+    # keeps the survivors, so the watchdog must not end them (0: the abort watcher and
+    # the node agent end a generation; the trainer refuses 1, 3 or unset: torch's
+    # default 3 also ends the process)
     case $RESTART in
         in-process)
             (( NNODES_MIN == NNODES_MAX )) || _reft_die "MIN_NODES=$NNODES_MIN: an elastic" \
                 "job needs RESTART=torchrun (the in-process restart keeps the job's size;" \
-                "SPARE_NODES replace lost nodes)" ;;
-        torchrun) ;;
+                "SPARE_NODES replace lost nodes)"
+            export TORCH_NCCL_ASYNC_ERROR_HANDLING=0 ;;
+        torchrun) export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 ;;
         *) _reft_die "RESTART=$RESTART: choose in-process or torchrun" ;;
     esac
     LOG_DIR=${LOG_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/logs/${SLURM_JOB_NAME:-job}-$SLURM_JOB_ID}

@@ -77,6 +77,35 @@ def enabled() -> bool:
     return bool(os.environ.get(ENV_STORE))
 
 
+# NCCL's watchdog on a failed or timed-out collective (TORCH_NCCL_ASYNC_ERROR_HANDLING,
+# read before its older name NCCL_ASYNC_ERROR_HANDLING): 0 does nothing, 2 aborts the
+# communicators only; 1 aborts and ends the process, 3 (torch's default) ends it. An
+# in-process restart keeps the survivors: only 0 and 2 let it.
+NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+NCCL_KEEPS_SURVIVORS = ("0", "2")
+
+
+def nccl_teardown_problem(env=None) -> tuple[str, str] | None:
+    """(variable, why) when NCCL's error handling in ``env`` (default os.environ) would
+    end a survivor the in-process restart means to keep; None when it would not."""
+    env = os.environ if env is None else env
+    for var in NCCL_ERROR_HANDLING_VARS:
+        value = env.get(var)
+        if value is None:
+            continue
+        if value.strip() in NCCL_KEEPS_SURVIVORS:
+            return None
+        return var, (f"{value} makes NCCL's watchdog end a surviving rank on a failed "
+                     f"collective, which the in-process restart keeps: export {var}=0 "
+                     f"(examples/slurm/reft_job.sh does for RESTART=in-process) or use "
+                     f"--reft-restart process")
+    return NCCL_ERROR_HANDLING_VARS[0], (
+        "unset: torch's default (3) ends a surviving rank on a failed collective, which "
+        "the in-process restart keeps: export TORCH_NCCL_ASYNC_ERROR_HANDLING=0 "
+        "(examples/slurm/reft_job.sh does for RESTART=in-process) or use --reft-restart "
+        "process")
+
+
 def _connect(timeout_s: float) -> torch.distributed.TCPStore:
     host, port = os.environ[ENV_STORE].rsplit(":", 1)
     return torch.distributed.TCPStore(host, int(port), is_master=False,
@@ -204,10 +233,9 @@ class Generation:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.gen = int(os.environ.get(ENV_GENERATION, "0"))
-        # before any ProcessGroupNCCL exists: its watchdog must not tear this process
-        # down on the errors our own abort causes (torch's _abort_process_group note);
-        # a hang is the supervisor's and the abort watcher's to end
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        # NCCL's watchdog must not tear this process down on the errors our own abort
+        # causes (torch's _abort_process_group note): the launch sets it for the mode,
+        # the trainer's validation refused anything else (nccl_teardown_problem)
         self.secret = job_secret()
         self.store = _connect(timeout_s=24 * 3600)  # waits for the next generation
         self.store_port = int(os.environ[ENV_STORE].rsplit(":", 1)[1])
