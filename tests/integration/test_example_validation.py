@@ -111,3 +111,15 @@ def test_cpu_facts_skip_the_device_checks_and_node_facts_name_the_platform():
     assert DeviceFacts.node_of("rocm").platform == "rocm"
     with pytest.raises(ValueError):
         DeviceFacts.node_of("tpu")
+
+
+def test_nccl_error_handling_that_keeps_survivors():
+    problem = inprocess.nccl_teardown_problem
+    for keeps in ("0", "2"):
+        assert problem({"TORCH_NCCL_ASYNC_ERROR_HANDLING": keeps}) is None
+    assert problem({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})[0] == \
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    # torch reads the new name first, then the old one
+    assert problem({"NCCL_ASYNC_ERROR_HANDLING": "1"})[0] == "NCCL_ASYNC_ERROR_HANDLING"
+    assert problem({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+                    "NCCL_ASYNC_ERROR_HANDLING": "1"}) is None
