@@ -16,8 +16,8 @@ Decisions, each printed to the build log with a ``[reft_ext]`` prefix
   and only when nvcc's CUDA major equals torch's (``torch.version.cuda``), so the
   loader hands the extension the libcudart torch already loaded (same SONAME) and
   streams, events and errors are shared with torch.  ROCm links the shared
-  libamdhip64 of $ROCM_PATH, which resolves the same way (same SONAME as torch's,
-  when torch's ROCm matches the rocm module).  torch's CUDAExtension is not used because it also links libtorch*;
+  libamdhip64 of $ROCM_PATH, which resolves the same way, and only when its HIP major
+  equals torch's (``torch.version.hip``: same SONAME, libamdhip64.so.N).  torch's CUDAExtension is not used because it also links libtorch*;
   these sources need no torch headers (see below).
 * Failure never fails the install: a compile or link error prints a warning and
   the package installs without ``_C`` (reft_ext then uses its torch reference
@@ -155,6 +155,59 @@ def cudart_link_plan(nvcc: str) -> tuple[list[str], list[str], str]:
                             f"{':'.join(rpath)} (torch's runtime when torch already loaded it)")
 
 
+def parse_hip_version(text: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a HIP version as torch ("6.2.41133-dd7f95766"), hipconfig or
+    hip_version.h report it; None when it cannot be read."""
+    m = re.search(r"(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def rocm_hip_version(rocm: str) -> tuple[int, int] | None:
+    """(major, minor) of the HIP runtime under ``rocm`` ($ROCM_PATH): its
+    include/hip/hip_version.h, else ``hipconfig --version``."""
+    header = os.path.join(rocm, "include", "hip", "hip_version.h")
+    if os.path.isfile(header):
+        text = open(header).read()
+        parts = [re.search(rf"#define\s+HIP_VERSION_{k}\s+(\d+)", text) for k in
+                 ("MAJOR", "MINOR")]
+        if all(parts):
+            return int(parts[0].group(1)), int(parts[1].group(1))
+    hipconfig = os.path.join(rocm, "bin", "hipconfig")
+    for exe in (hipconfig, shutil.which("hipconfig")):
+        if exe and os.path.exists(exe):
+            try:
+                out = subprocess.run([exe, "--version"], capture_output=True, text=True,
+                                     timeout=60).stdout
+            except Exception:  # noqa: BLE001
+                continue
+            if parse_hip_version(out):
+                return parse_hip_version(out)
+    return None
+
+
+def hip_link_plan(rocm: str, torch_hip: str | None = None) -> tuple[list[str], str]:
+    """(library_dirs, log line) for linking $ROCM_PATH's shared libamdhip64, checked
+    against torch's HIP (``torch.version.hip``) as the CUDA build checks nvcc's major:
+    another major is another SONAME (libamdhip64.so.N), a second HIP runtime beside
+    torch's with its own streams and errors, so the build refuses (RuntimeError); another
+    minor shares the SONAME (the loader hands over torch's) and is only logged."""
+    if torch_hip is None:
+        import torch  # noqa: PLC0415
+
+        torch_hip = getattr(torch.version, "hip", None)
+    libdirs = [os.path.join(rocm, "lib")]
+    mine, theirs = rocm_hip_version(rocm), parse_hip_version(torch_hip)
+    if mine and theirs and mine[0] != theirs[0]:
+        raise RuntimeError(
+            f"ROCM_PATH={rocm} has HIP {mine[0]}.{mine[1]} but torch was built with HIP "
+            f"{torch_hip}: the extension would load a second HIP runtime; load the rocm "
+            f"module of torch's ROCm {theirs[0]}.x (or set ROCM_PATH)")
+    note = "" if not (mine and theirs and mine != theirs) else \
+        f" (torch's is {theirs[0]}.{theirs[1]}: same SONAME, torch's runtime is used)"
+    found = f"HIP {mine[0]}.{mine[1]}" if mine else "HIP of unknown version"
+    return libdirs, f"linking shared libamdhip64 of {rocm} ({found}){note}"
+
+
 def hip_arch_flags() -> list[str]:
     """--offload-arch per target of PYTORCH_ROCM_ARCH (torch's variable, "gfx90a;gfx942")."""
     spec = os.environ.get("PYTORCH_ROCM_ARCH", "")
@@ -201,7 +254,9 @@ def _compile_gpu_objects(flavour: str, build_temp: str):
         # shared libcudart: the one torch loaded (cudart_static would be a second runtime
         # with its own error state and no view of torch's streams' errors)
         return objects, libdirs, rpath, ["cudart"]
-    # ROCm: hipify the CUDA sources into the build tree, then compile with hipcc.
+    # ROCm: torch's HIP checked first, then the CUDA sources hipified into the build
+    # tree and compiled with hipcc.
+    libdirs, why = hip_link_plan(os.environ.get("ROCM_PATH", "/opt/rocm"))
     hip_dir = os.path.join(build_temp, "hipified")
     for src in hipify_sources(hip_dir):
         obj = os.path.join(build_temp, os.path.basename(src) + ".o")
@@ -209,8 +264,7 @@ def _compile_gpu_objects(flavour: str, build_temp: str):
         log("  " + " ".join(cmd))
         subprocess.check_call(cmd)
         objects.append(obj)
-    rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
-    libdirs = [os.path.join(rocm, "lib")]
+    log(why)
     return objects, libdirs, libdirs, ["amdhip64"]
 
 
