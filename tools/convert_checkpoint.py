@@ -65,6 +65,8 @@ def parse(argv=None) -> argparse.Namespace:
     for flag in need:
         if not getattr(a, flag[2:].replace("-", "_")):
             p.error(f"--to {a.to} needs {flag}")
+    if a.verify_text and not os.path.isfile(a.verify_text):
+        p.error(f"--verify-text {a.verify_text}: no such file")
     return a
 
 
@@ -90,13 +92,14 @@ def main(argv=None) -> int:
                   f"train from it with --load {a.save} --finetune "
                   f"[{time.perf_counter() - t0:.1f} s]", flush=True)
             hf_dir, model = a.hf_model, info["model"]
+        if a.verify:
+            diff, loss_m, loss_h, n = hc.verify(model, hf_dir, info["shape"], info["padded"],
+                                               a.verify_text)
     except hc.ConversionError as exc:
         print(f"convert_checkpoint: {exc}", file=sys.stderr)
         return 2
     if not a.verify:
         return 0
-    diff, loss_m, loss_h, n = hc.verify(model, hf_dir, info["shape"], info["padded"],
-                                       a.verify_text)
     ok = diff <= a.tolerance
     # the trainer's loss is over its padded vocabulary: an imported model's zero rows
     # (logit 0) add to its softmax, so the two losses agree only for a trained model

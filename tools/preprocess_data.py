@@ -51,6 +51,7 @@ if _REPO_ROOT not in sys.path:
 
 import numpy  # noqa: E402
 
+import megatron.training  # noqa: E402,F401 - first: mutes megatron-core's notes (fallbacks.py)
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer  # noqa: E402
 from megatron.training.tokenizer_files import (  # noqa: E402

@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.training import optimizer_state
+from megatron.training import checkpoint_shape, optimizer_state
 from megatron.training.checkpoint_integrity import INDEX, seal_checkpoint, verify_checkpoint
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
@@ -83,6 +83,22 @@ def _private_dirs(root: str, path: str) -> None:
     if not os.path.isdir(root):
         os.makedirs(root, mode=0o700, exist_ok=True)
     os.makedirs(path, mode=0o700, exist_ok=True)
+
+
+def _keep_aside(path: str) -> None:
+    """A directory already at this save's path (a checkpoint --load refused, or a save
+    that never finished) is renamed aside, not overwritten, so it stays for inspection;
+    loads ignore the new name (only iter_NNNNNNN is a checkpoint)."""
+    if not os.path.isdir(path) or not os.listdir(path):
+        return
+    aside, n = f"{path}.refused", 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{path}.refused{n}"
+    os.rename(path, aside)
+    print(f"[REFT] kept {path} aside as {aside} (it did not verify or was incomplete; "
+          f"delete it when done): this save writes the iteration anew", flush=True)
+    record("checkpoint_kept_aside", path=path, aside=aside)
 
 
 def _faulty_write(write, iteration: int, *args, **kwargs):
@@ -189,6 +205,7 @@ class Checkpointer:
         t0 = time.time()
         fault_point("save", iteration=it)  # --inject-fault ...@save (reft_ext/testing)
         if torch.distributed.get_rank() == 0:
+            _keep_aside(path)
             _private_dirs(root, path)
         torch.distributed.barrier()
         sd = sharded_state_dict(state, args, is_loading=False)
@@ -392,14 +409,18 @@ class Checkpointer:
         # ZeRO-1 shards and the per-rank RNG states do not
         layout = () if finetune else ("tensor_model_parallel_size",
                                       "pipeline_model_parallel_size")
-        for key in layout + ("num_layers", "hidden_size", "padded_vocab_size"):
+        for key in layout + ("num_layers", "hidden_size"):
             if saved.get(key) != getattr(a, key):
-                flag = "--" + key.replace("_", "-")
-                if key == "padded_vocab_size" and saved.get("imported_from"):
-                    raise CheckpointError(
-                        f"--load {path}: its vocabulary is padded to {saved.get(key)} rows, "
-                        f"this run pads to {getattr(a, key)} (--make-vocab-size-divisible-by "
-                        f"x --tensor-model-parallel-size): convert again with "
-                        f"--target-tensor-parallel-size {a.tensor_model_parallel_size}")
-                raise CheckpointError(f"--load {path}: saved with {flag} {saved.get(key)}, "
-                                      f"this run has {getattr(a, key)}")
+                raise CheckpointError(f"--load {path}: saved with --{key.replace('_', '-')} "
+                                      f"{saved.get(key)}, this run has {getattr(a, key)}")
+        # the rest of the model's shape, where the checkpoint records it (MODEL_FIELDS):
+        # a wrong value would load and train another function without a word
+        diffs = checkpoint_shape.differences(saved, a)
+        if diffs:
+            flags = [(f"--{k.replace('_', '-')}", mine, theirs) for k, mine, theirs in diffs]
+            raise CheckpointError(
+                f"--load {path}: saved with " + ", ".join(f"{f} {t}" for f, _, t in flags)
+                + "; this run has " + ", ".join(f"{f} {m}" for f, m, _ in flags)
+                + ": give " + " ".join(f"{f} {t}" for f, _, t in flags))
+        if saved.get("padded_vocab_size") != a.padded_vocab_size:
+            raise CheckpointError(f"--load {path}: {checkpoint_shape.padding_advice(saved, a)}")

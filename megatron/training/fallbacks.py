@@ -9,11 +9,15 @@ imported: megatron/training/__init__.py calls it. :func:`summary` then reads wha
 megatron-core chose from its own module flags, so the line is right even where an import
 happened under another filter (arguments.py and path_checks.py import under
 ``catch_warnings``).
+
+The same for other libraries' notes that every run printed (KNOWN): muted by message and
+module, named in one ``[REFT]`` line (:func:`muted_line`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 
 # megatron-core 0.16's fallback warnings, all emitted once per module at import time
@@ -24,11 +28,61 @@ MESSAGES = (
 MODULES = r"megatron\.core(\.|$)"  # where they are raised (warnings' "module" field)
 
 
+# Other libraries' notes that every run printed, each muted by its exact wording and the
+# module that raises it (never a blanket filter: any other warning still shows), named in
+# one [REFT] line at start-up (muted_line). (what, category, message, module, CPU only)
+KNOWN = (
+    ("megatron-core's zero_grad reading .grad of a non-leaf tensor", UserWarning,
+     r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+     r"megatron\.core\.optimizer\.optimizer$", False),
+    ("torch 2.13's deprecation of reduce_scatter_tensor and all_gather_into_tensor "
+     "(megatron-core's calls)", FutureWarning,
+     r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+     r"torch\.distributed\.c10d_logger$", False),
+    ("torch's deprecation of ShardedTensor and of DCP's load_state_dict (megatron-core's "
+     "dist_checkpointing)", FutureWarning,
+     r"Please use DTensor instead and we are deprecating ShardedTensor",
+     r"torch\.distributed\.(checkpoint|_shard)\.", False),
+    (None, FutureWarning,
+     r"`load_state_dict` is deprecated and will be removed in future versions\. Please use "
+     r"`load` instead", r"megatron\.core\.dist_checkpointing\.strategies\.torch$", False),
+    ("megatron-core's CUDA_DEVICE_MAX_CONNECTIONS advice (a torch without CUDA)", UserWarning,
+     r"When using (sequence parallelism|async grad allreduce) it is recommended to set the "
+     r"environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1",
+     r"megatron\.core\.tensor_parallel\.layers$", True),
+)
+SHOW_ENV = "REFT_SHOW_LIBRARY_NOTES"  # =1: the KNOWN notes are not muted
+_muted: list[str] = []
+
+
 def install() -> None:
-    """Mute the fallback warnings (idempotent: filterwarnings drops duplicates)."""
+    """Mute the fallback warnings and the KNOWN notes (idempotent: filterwarnings drops
+    duplicates)."""
     for message in MESSAGES:
         warnings.filterwarnings("ignore", message=message, category=UserWarning,
                                 module=MODULES)
+    if os.environ.get(SHOW_ENV) == "1":
+        return
+    cpu = None
+    for what, category, message, module, cpu_only in KNOWN:
+        if cpu_only:
+            if cpu is None:
+                import torch  # the wheel, not the device: no CUDA initialised at import
+
+                cpu = torch.version.cuda is None and torch.version.hip is None
+            if not cpu:
+                continue
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+        if what and what not in _muted:
+            _muted.append(what)
+
+
+def muted_line() -> str | None:
+    """The one line that says which library notes install() muted (None: none)."""
+    if not _muted:
+        return None
+    return (f"[REFT] muted by their exact wording (megatron/training/fallbacks.py; "
+            f"{SHOW_ENV}=1 shows them): {'; '.join(_muted)}")
 
 
 def _flag(module: str, name: str, default=None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -52,17 +53,54 @@ def _model(shape: dict, padded_vocab: int, bf16: bool):
     return args, build_model(args, transformer_config(args))[0].module
 
 
-def _checkpoint_path(root: str, iteration: int | None) -> tuple[str, int]:
-    from megatron.training.checkpointing import checkpoint_dir, read_tracker
+def _problems(path: str) -> list[str]:
+    """What fails in ``path``'s checksums (checkpoint_integrity.py, no process group)."""
+    from megatron.training.checkpoint_integrity import IntegrityError, index_of, verify_files
 
-    it = iteration if iteration is not None else read_tracker(root)
-    if it is None:
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        return [f"{path} is missing or incomplete (no metadata.json)"]
+    try:
+        return verify_files(path, index_of(path))
+    except IntegrityError as exc:
+        return [str(exc)]
+
+
+def _checkpoint_path(root: str, iteration: int | None) -> tuple[str, int]:
+    """The checkpoint to convert: ``--iteration``'s, else the tracker's newest whose files
+    all match their checksums, else the newest older one that does (said in a line), as
+    the trainer's --load chooses. A corrupted checkpoint is never converted."""
+    from megatron.training.checkpointing import CheckpointError, checkpoint_dir, read_tracker
+
+    if not os.path.isdir(root):
+        raise ConversionError(f"--load {root}: no such directory (give the trainer's --save)")
+    try:
+        newest = read_tracker(root) if iteration is None else iteration
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
+    if newest is None:
         raise ConversionError(f"--load {root}: no latest_checkpointed_iteration.txt (not a "
                               f"checkpoint root; give --iteration N for an iter_ directory's)")
-    path = checkpoint_dir(root, it)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise ConversionError(f"--load {root}: {path} is missing or incomplete")
-    return path, it
+    older = [] if iteration is not None else sorted(
+        (int(n[5:]) for n in os.listdir(root) if re.fullmatch(r"iter_\d+", n)
+         and int(n[5:]) < newest), reverse=True)
+    refused = []
+    for it in [newest] + older:
+        path = checkpoint_dir(root, it)
+        problems = _problems(path)
+        if not problems:
+            if refused:
+                print(f"[convert] converting {path} instead: the newest older checkpoint "
+                      f"in {root} whose files all match their checksums", flush=True)
+            return path, it
+        refused.append(path)
+        print(f"[convert] checkpoint {path} refused: {'; '.join(problems[:3])}", flush=True)
+    others = sorted(int(n[5:]) for n in os.listdir(root) if re.fullmatch(r"iter_\d+", n)
+                    and int(n[5:]) != newest)
+    hint = (f"; --iteration {' or '.join(map(str, others[-3:]))} converts another"
+            if iteration is not None and others else
+            "; restore its files from a copy (nothing older verifies)")
+    raise ConversionError(f"--load {root}: no checkpoint to convert (refused: "
+                          f"{', '.join(refused)}){hint}")
 
 
 def _shape_from_common(common: dict) -> tuple[dict, dict]:
@@ -83,16 +121,12 @@ def megatron_to_hf_dir(root: str, out: str, iteration: int | None = None,
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    from megatron.training.checkpoint_integrity import verify_checkpoint
-
-    path, it = _checkpoint_path(root, iteration)
+    _writable_dir("--output", out)  # before any work
+    path, it = _checkpoint_path(root, iteration)  # verified: never a torn or corrupted one
     common = dist_checkpointing.load_common_state_dict(path)
     shape, saved = _shape_from_common(common)
     bf16 = bool(saved.get("bf16"))
     args, model = _model(shape, int(saved["padded_vocab_size"]), bf16)
-    problems = verify_checkpoint(path)  # never convert a torn or corrupted checkpoint
-    if problems:
-        raise ConversionError(f"{path} fails its checksums: {'; '.join(problems[:3])}")
     with torch.no_grad():
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
         model.load_state_dict(loaded["model"], strict=True)
@@ -103,13 +137,18 @@ def megatron_to_hf_dir(root: str, out: str, iteration: int | None = None,
     # written in the model's dtype where that is exact, else kept fp32 (never rounded)
     hsd = {k: (v.to(dtype) if v.dtype != dtype and torch.equal(v.to(dtype).to(v.dtype), v)
                else v) for k, v in hsd.items()}
-    if os.path.exists(out) and os.listdir(out):
-        raise ConversionError(f"--output {out} exists and is not empty")
+    _writable_dir("--output", out)
     os.makedirs(out, exist_ok=True)
     from megatron.training import hf_tokenizer
 
-    kind = tokenizer_type or saved.get("tokenizer_type") or "ByteLevelTokenizer"
-    tokens = hf_tokenizer.export(kind, tokenizer_model or saved.get("tokenizer_model"), out)
+    kind, tok_model = tokenizer_type or saved.get("tokenizer_type"), saved.get("tokenizer_model")
+    if kind is None and saved.get("imported_from"):
+        # an import records no trainer tokenizer: the model's own, copied beside it
+        # (hf_dir_to_megatron), or none at all (never the byte-level default's ids)
+        tok_model = os.path.join(root, "tokenizer")
+        kind = "HuggingFaceTokenizer" if os.path.isdir(tok_model) else "NullTokenizer"
+    kind = kind or "ByteLevelTokenizer"
+    tokens = hf_tokenizer.export(kind, tokenizer_model or tok_model, out)
     save_file(hsd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config(shape, vocab, dtype, tokens), f, indent=2)
@@ -120,18 +159,40 @@ def megatron_to_hf_dir(root: str, out: str, iteration: int | None = None,
             "shape": shape, "iteration": it, "padded": int(saved["padded_vocab_size"])}
 
 
+def _writable_dir(flag: str, path: str) -> None:
+    """Refuses, before any work, a path that is a file or a non-empty directory."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConversionError(f"{flag} {path} is a file; give a new or empty directory")
+    if flag == "--output" and os.path.isdir(path) and os.listdir(path):
+        raise ConversionError(f"{flag} {path} exists and is not empty; give a new directory")
+
+
+def _json(path: str, flag: str, hf_dir: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"{flag} {hf_dir}: {os.path.basename(path)} cannot be read "
+                              f"({exc}); save the model again with save_pretrained") from None
+    if not isinstance(doc, dict):
+        raise ConversionError(f"{flag} {hf_dir}: {os.path.basename(path)} is not a JSON object")
+    return doc
+
+
 def _read_hf(hf_dir: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConversionError(f"--hf-model {hf_dir}: no config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    cfg = _json(cfg_path, "--hf-model", hf_dir)
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = _json(index, "--hf-model", hf_dir).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"--hf-model {hf_dir}: model.safetensors.index.json has "
+                                  f"no weight_map")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -139,7 +200,12 @@ def _read_hf(hf_dir: str) -> tuple[dict, dict]:
                               f"save the model with safe_serialization=True")
     sd = {}
     for name in files:
-        sd.update(load_file(os.path.join(hf_dir, name)))
+        try:
+            sd.update(load_file(os.path.join(hf_dir, name)))
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: one line
+            raise ConversionError(f"--hf-model {hf_dir}: {name} cannot be read "
+                                  f"({type(exc).__name__}: {str(exc)[:200]}); truncated or "
+                                  f"not safetensors: copy or save it again") from None
     return cfg, sd
 
 
@@ -151,11 +217,12 @@ def hf_dir_to_megatron(hf_dir: str, root: str, divisible_by: int = 128) -> dict:
         _write_tracker, checkpoint_dir, read_tracker, run_identity
     from reft_ext.state.identity import stamp
 
-    cfg, hsd = _read_hf(hf_dir)
-    shape = shape_from_hf(cfg)
+    _writable_dir("--save", root)  # before any work
     if os.path.isdir(root) and read_tracker(root) is not None:
         raise ConversionError(f"--save {root} already holds a checkpoint; choose a new "
                               f"directory (nothing is overwritten)")
+    cfg, hsd = _read_hf(hf_dir)
+    shape = shape_from_hf(cfg)
     vocab = int(cfg["vocab_size"])
     padded = -(-vocab // divisible_by) * divisible_by
     dtypes = {t.dtype for t in hsd.values()}
@@ -193,25 +260,33 @@ def hf_dir_to_megatron(hf_dir: str, root: str, divisible_by: int = 128) -> dict:
 
 def _verify_tokens(hf_dir: str, text_file: str | None, vocab: int, n: int) -> torch.Tensor:
     """Token ids to compare on: the directory's tokenizer on the text (a file, or the
-    shipped corpus's last documents), else seeded random ids."""
-    try:
-        from transformers import AutoTokenizer
+    shipped corpus's last documents); seeded random ids only where the directory has no
+    tokenizer (a mock-data model). A tokenizer that fails to load, or that encodes the
+    text to fewer than 2 ids or to unknown pieces only, is refused: it is broken."""
+    if not any(os.path.isfile(os.path.join(hf_dir, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+    from transformers import AutoTokenizer
 
+    try:
         tok = AutoTokenizer.from_pretrained(hf_dir)
-    except Exception:  # noqa: BLE001 - no tokenizer (mock-data model): random ids
-        tok = None
-    if tok is not None:
-        if text_file:
-            with open(text_file, encoding="utf-8") as f:
-                text = f.read()
-        else:
-            with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
-                docs = [json.loads(line)["text"] for line in f]
-            text = "\n\n".join(docs[-3:])  # the tail: the validation split's side
-        ids = tok(text, add_special_tokens=False)["input_ids"][:n]
-        if len(ids) >= 2:
-            return torch.tensor([ids])
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+    except Exception as exc:  # noqa: BLE001 - any failure: the export is unusable
+        raise ConversionError(f"--verify: transformers cannot load the tokenizer in {hf_dir} "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
+    if text_file:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+            docs = [json.loads(line)["text"] for line in f]
+        text = "\n\n".join(docs[-3:])  # the tail: the validation split's side
+    ids = tok(text, add_special_tokens=False)["input_ids"][:n]
+    if len(ids) < 2 or (tok.unk_token_id is not None and set(ids) == {tok.unk_token_id}):
+        raise ConversionError(f"--verify: the tokenizer in {hf_dir} encodes "
+                              f"{len(text)} characters of {text_file or 'the corpus'} to "
+                              f"{ids[:8]}: it is broken (transformers "
+                              f"{tok.__class__.__name__}, {len(tok)} pieces)")
+    return torch.tensor([ids])
 
 
 def verify(model, hf_dir: str, shape: dict, padded_vocab: int, text_file: str | None = None):
@@ -219,6 +294,9 @@ def verify(model, hf_dir: str, shape: dict, padded_vocab: int, text_file: str | 
     tokens): both models in fp32 on the same tokens."""
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar: one [convert] line instead
 
     hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                           attn_implementation="eager").eval()

@@ -67,6 +67,11 @@ def shape_from_hf(cfg: dict) -> dict:
         raise ConversionError(f"config.json: RoPE scaling {rope or cfg.get('rope_scaling')} "
                               f"is not supported (this trainer's RoPE is the default one)")
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                           "intermediate_size", "vocab_size") if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ConversionError(f"config.json: no integer {', '.join(missing)} (not a Llama "
+                              f"config.json)")
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     if cfg.get("head_dim", hidden // heads) != hidden // heads:
         raise ConversionError(f"config.json: head_dim {cfg['head_dim']} != hidden_size / "

@@ -122,6 +122,8 @@ class Trainer:
         fallback = fallbacks.summary()  # the line megatron-core's import warnings became
         if fallback:
             print_rank_0(fallback)
+        if fallbacks.muted_line():  # the library notes muted instead (fallbacks.py)
+            print_rank_0(fallbacks.muted_line())
         print_rank_0(format_args_table(args))
         self.timers = Timers(log_level=0, log_option="minmax")
         self.config = llama_model.transformer_config(args)

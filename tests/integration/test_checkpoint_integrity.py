@@ -1,7 +1,7 @@
 """Persistent checkpoints: the independent comparison (tools/compare_checkpoints.py) sees a
 single flipped bit, and a checkpoint whose files do not match their checksums is refused
-at --load, the newest older one that verifies loaded instead
-(megatron/training/checkpoint_integrity.py)."""
+at --load, the newest older one that verifies loaded instead, and kept aside when that
+iteration is saved again (megatron/training/checkpoint_integrity.py)."""
 
 import io
 import os
@@ -137,3 +137,10 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_one_loaded(tmp_path, ref
         [f"{bad}: SHA-256 differs from {INDEX} (corrupted)"], refused
     assert f"loaded checkpoint {save}/iter_0000002 at iteration 2" in run.output
     same_as_reference(run, ref, 3)
+    # iteration 4 saved again: the refused directory was kept aside, not overwritten
+    aside = os.path.join(save, "iter_0000004.refused")
+    assert f"[REFT] kept {save}/iter_0000004 aside as {aside}" in run.output
+    assert verify_files(aside, index_of(aside)) == [
+        f"{aside}/{shard}: SHA-256 differs from {INDEX} (corrupted)"]
+    new = os.path.join(save, "iter_0000004")
+    assert verify_files(new, index_of(new)) == []
