@@ -37,6 +37,7 @@ import torch
 from reft_ext import _native
 from reft_ext.store.paths import check_name as _check_name
 from reft_ext.store.paths import job_dir
+from reft_ext.store import safe_dir
 from reft_ext.testing import fault_point  # tests: --inject-fault ...:shm-full (no-op otherwise)
 
 log = logging.getLogger("reft")
@@ -129,20 +130,24 @@ def _reserve(fd: int, path: str, offset: int, length: int) -> None:
 def ensure_private_dir(path: str) -> None:
     """Create the job's directory, or take an existing one only if it is this user's:
     a directory of another user (another job with the same id, or a planted one) is
-    never written into, and the error says what to do."""
+    never written into, and the error says what to do. Opened from / one directory at a
+    time (reft_ext/store/safe_dir.py): one below a directory another user could swap
+    (a --reft-shm-dir of theirs) is refused too."""
     what = "Start this job with another --reft-job-id (or --reft-shm-dir), or remove " \
         f"{path} if the job that made it is over"
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
+    try:
+        d = safe_dir.open_dir(path, create=True, fix_mode=True)
+    except NotADirectoryError:
         raise ShmDirError(errno.ENOTDIR, f"--reft-shm-dir: {path} exists and is not a "
-                          f"directory. {what}")
-    if st.st_uid != os.getuid():
-        raise ShmDirError(errno.EACCES, f"--reft-shm-dir: {path} belongs to uid "
-                          f"{st.st_uid}, not to this user (uid {os.getuid()}): another "
-                          f"job or user holds this --reft-job-id on this node. {what}")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+                          f"directory. {what}") from None
+    except safe_dir.UnsafePathError as exc:
+        held = " another job or user holds this --reft-job-id on this node." \
+            if exc.component == exc.path and exc.why.startswith("belongs to") else ""
+        raise ShmDirError(errno.EACCES, f"--reft-shm-dir: {path} {exc.reason}:{held} "
+                          f"{what}") from None
+    with d:
+        if stat.S_IMODE(os.fstat(d.fd).st_mode) != 0o700:
+            os.fchmod(d.fd, 0o700)
 
 
 class ShmSegment:
