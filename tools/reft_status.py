@@ -46,12 +46,16 @@ def table(shm_dir: str, job: str, now: float | None = None) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="REFT job state table")
-    p.add_argument("--job", default="", help="job id (TORCHELASTIC_RUN_ID); default: all")
+    p.add_argument("--job", default="", help="job id (--reft-job-id, else TORCHELASTIC_RUN_ID); "
+                   "default: all")
     p.add_argument("--shm-dir", default="/dev/shm", help="= --reft-shm-dir")
     p.add_argument("--json", action="store_true", help="the raw records as JSON")
     a = p.parse_args(argv)
     if not os.path.isdir(a.shm_dir):
         p.error(f"--shm-dir: {a.shm_dir!r} is not a directory")
+    if a.job:  # as the job named its files (an id with other characters keeps a hash)
+        from reft_ext.config import _job_id_of
+        a.job = _job_id_of(a.job)
     jobs = [a.job] if a.job else status.jobs(a.shm_dir)
     if a.job and not status.read_job(a.shm_dir, a.job):
         print(f"--job: no status files of job {a.job!r} in {a.shm_dir}", file=sys.stderr)
