@@ -1,0 +1,151 @@
+"""The trainer's side of goodput accounting and straggler detection (the library parts:
+reft_ext/report/goodput.py, goodput_view.py, reft_ext/cluster/stragglers.py).
+
+``Trainer.goodput`` is one :class:`GoodputTracker` per process: it lives across
+in-process restarts (the trainer object does), and a new process of the same run goes on
+from its rank's newest ``goodput`` event in ``$REFT_EVENTS_FILE``. The loop calls it at
+each change of what the rank is doing (thin call sites in training.py); every
+``--log-interval`` it records the totals and writes TensorBoard scalars, every
+``--reft-straggler-interval`` it exchanges the phase times, and at the end rank 0 prints
+``[REFT] goodput: ...`` for the whole job (the mean of every rank's figures).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from reft_ext.cluster import stragglers
+from reft_ext.cluster.straggler_config import StragglerConfig
+from reft_ext.report import events, goodput, goodput_view
+from reft_ext.report.goodput import PRODUCTIVE, Ledger
+
+
+class GoodputTracker:
+    def __init__(self, args, t_process: float):
+        self.args = args
+        self.ledger = Ledger(t_process)
+        self.cfg = StragglerConfig.from_args(args)
+        self.clock = stragglers.PhaseClock() if self.cfg.enabled else None
+        self.detector = stragglers.Detector(self.cfg.straggler_threshold,
+                                            self.cfg.straggler_window,
+                                            self.cfg.straggler_interval)
+        self.carried = False
+        self.every = max(1, getattr(args, "reft_snapshot_every", 0) or 1)
+        self.per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        self.report: dict | None = None  # the last exchange's (TensorBoard)
+
+    # ---- what the rank is doing -------------------------------------------------
+    def switch(self, category: str) -> None:
+        self.ledger.switch(category)
+
+    def phase(self, category: str):
+        return self.ledger.phase(category)
+
+    def loading(self, start: bool) -> None:
+        self.ledger.loading(start)
+
+    def failed(self) -> None:
+        self.ledger.failed()
+
+    def recovered(self, iteration: int) -> None:
+        self.ledger.restored(iteration)
+        if self.clock is not None:
+            self.clock.restart()
+
+    def rolled_back(self, iteration: int) -> None:
+        self.ledger.rolled_back(iteration)
+
+    def training(self, state) -> None:
+        """Training (re)starts: the first time in this process, go on from this rank's
+        newest record of an earlier attempt of the same run (a restarted process)."""
+        if self.clock is not None:
+            self.clock.restart()
+        if self.carried:
+            return
+        self.carried = True
+        prev = goodput.previous(os.environ.get(events.ENV), state.extra.get("run_id"),
+                                torch.distributed.get_rank(), os.getpid())
+        if prev is not None:
+            self.ledger.carry(prev, state.iteration)
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.ledger.begin_iteration()
+        if self.clock is not None:
+            self.clock.begin(iteration)
+
+    def wrap_finalize(self, finalize):
+        return self.clock.wrap_finalize(finalize) if self.clock is not None else finalize
+
+    def optimizer_begin(self) -> None:
+        if self.clock is not None:
+            self.clock.optimizer_begin()
+
+    def optimizer_end(self) -> None:
+        if self.clock is not None:
+            self.clock.end()
+
+    # ---- every iteration: exchanges, records, scalars -----------------------------
+    def iteration_done(self, state, writer) -> None:
+        it = state.iteration
+        self.ledger.end_iteration(it)
+        if self.clock is not None and it % self.cfg.straggler_interval == 0:
+            self._exchange(it, writer)
+        if it % self.args.log_interval == 0:
+            self._record(state)
+            if writer is not None:
+                t = self.ledger.totals()
+                wall = max(1e-9, sum(t.values()))
+                writer.add_scalar("goodput", 100.0 * t[PRODUCTIVE] / wall, it)
+                for cat, s in t.items():
+                    writer.add_scalar(f"goodput/{cat}-percent", 100.0 * s / wall, it)
+
+    def _node(self, rank: int) -> int | None:
+        return rank // self.per_node if self.per_node > 0 else None
+
+    def _exchange(self, it: int, writer) -> None:
+        rank = torch.distributed.get_rank()
+        rows = stragglers.exchange(self.clock.window())
+        self.ledger.move(PRODUCTIVE, "straggler_wait", stragglers.waited(rows, rank))
+        rep = self.detector.observe(rows, it)
+        th = self.cfg.straggler_threshold
+        for info in rep["named"]:
+            text = stragglers.named_text(info, th, self._node(info["rank"]))
+            if rank == 0:
+                events.emit("straggler", text, **info, node=self._node(info["rank"]))
+        for info in rep["cleared"]:
+            text = stragglers.cleared_text(info, th, self._node(info["rank"]))
+            if rank == 0:
+                events.emit("straggler_cleared", text, **info,
+                            node=self._node(info["rank"]))
+        if writer is not None and rep["slowest"] is not None:
+            writer.add_scalar("stragglers/slowest-ratio", rep["ratio"], it)
+            writer.add_scalar("stragglers/slowest-rank", rep["slowest"], it)
+            writer.add_scalar("stragglers/slow-ranks", len(self.detector.named), it)
+            named = [self.detector.named[r]["cost_s"] for r in self.detector.named]
+            writer.add_scalar("stragglers/cost-ms-per-iteration",
+                              1000.0 * max(named, default=0.0), it)
+        self.report = rep
+
+    def _record(self, state, **extra) -> dict:
+        rec = self.ledger.record(run=state.extra.get("run_id"), iteration=state.iteration,
+                                 pid=os.getpid(), snapshot_every=self.every, **extra)
+        events.record(goodput.EVENT, **rec)
+        return rec
+
+    # ---- the end ----------------------------------------------------------------
+    def finish(self, state) -> None:
+        """Every rank: the final record; rank 0: the job's line (one all_gather_object,
+        every rank is here)."""
+        self.ledger.switch(self.ledger.current)
+        rec = self._record(state, final=True)
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, rec)
+        if torch.distributed.get_rank() == 0:
+            total = goodput.job_totals([r for r in every if r])
+            events.emit("goodput_job", goodput_view.line(total, self.every), **total)
+        if self.detector.cost_s and torch.distributed.get_rank() == 0:
+            events.emit("straggler_cost", f"stragglers cost the job "
+                        f"{self.detector.cost_s:.2f} s over the run ({len(self.detector.named)}"
+                        f" still slow)", seconds=self.detector.cost_s)
