@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from reft_ext import safe_dir
 from reft_ext.flags import ReftFlags
-from reft_ext.store.paths import private_problem
 
 PROTECTIONS = ("none", "arc", "aec", "aor")
 RESTARTS = ("in-process", "process")  # docs/nodes.md
@@ -217,7 +217,7 @@ class ReftConfig(ReftFlags):
         if self.flush_dir and self.flush_dir != "none" and os.path.lexists(self.flush_dir):
             # whoever else can write there (or swap it: a link, a directory above it that
             # is not safe) could forge snapshots or redirect the flush
-            why = private_problem(self.flush_dir)
+            why = safe_dir.problem(self.flush_dir)
             if why is not None:
                 raise ReftConfigError(
                     f"--reft-flush-dir: {self.flush_dir} {why}: flushed snapshots are "

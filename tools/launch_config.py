@@ -16,7 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from reft_ext.store import paths, safe_dir
+from reft_ext import safe_dir
+from reft_ext.store import paths
 
 
 class LaunchError(ValueError):

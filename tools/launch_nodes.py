@@ -36,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # reft_ext (status files) when run as a script
 
 from reft_ext.cluster import status as node_status  # noqa: E402
-from reft_ext.store import safe_dir  # noqa: E402
+from reft_ext import safe_dir  # noqa: E402
 from tools.launch_config import JobOutput, LaunchConfig, LaunchError  # noqa: E402,F401
 
 

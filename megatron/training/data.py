@@ -42,7 +42,7 @@ from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
 from megatron.training import dataset_cache
-from reft_ext.store import safe_dir
+from reft_ext import safe_dir
 from megatron.training.tokenizer_files import (
     TokenizerError,
     describe_identity,
@@ -119,7 +119,7 @@ class UnsafeCacheDirError(ValueError):
 
 
 def _open_private(path: str, what: str) -> safe_dir.SafeDir:
-    """`path` opened from / one directory at a time (reft_ext/store/safe_dir.py), created
+    """`path` opened from / one directory at a time (reft_ext/safe_dir.py), created
     0700 if missing: this user's, not writable by group/others, not a symlink, and below
     directories nobody else can write or swap. UnsafeCacheDirError with a one-line message
     naming it otherwise. Safe to call from many processes at once."""

@@ -46,11 +46,11 @@ def check_paths(args, _fail) -> None:
 
 def checkpoint_dir_error(flag: str, path: str) -> str | None:
     """Why --save/--load ``path`` is one another user could write or swap (theirs, writable
-    by group or others, a link, or below such a directory: reft_ext/store/safe_dir.py), or
+    by group or others, a link, or below such a directory: reft_ext/safe_dir.py), or
     None. A checkpoint's metadata is a pickle: whoever can plant one (and re-seal its
     integrity.json, whose writer is public) runs code as this user at the load. A --save
     not made yet: the nearest existing directory above it, where it will be made."""
-    from reft_ext.store import safe_dir
+    from reft_ext import safe_dir
 
     target = base = os.path.abspath(path)
     while not os.path.lexists(base) and os.path.dirname(base) != base:

@@ -32,7 +32,7 @@ import sys  # noqa: E402
 from reft_ext.cluster.inprocess import ENV_SECRET, job_secret  # noqa: E402
 from reft_ext.cluster.node_pool import NODE_TIMEOUT_S, NodePool  # noqa: E402
 from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig  # noqa: E402
-from reft_ext.store import safe_dir  # noqa: E402
+from reft_ext import safe_dir  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ import sys
 import time
 
 from reft_ext.cluster.inprocess import ENV_SECRET
-from reft_ext.store import safe_dir
+from reft_ext import safe_dir
 
 
 class Worker:

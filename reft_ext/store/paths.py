@@ -26,7 +26,7 @@ import os
 import re
 import stat
 
-from reft_ext.store import safe_dir
+from reft_ext import safe_dir
 
 PREFIX = "reft-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -92,7 +92,7 @@ class PrivateDirError(PermissionError):
 def private_problem(path: str) -> str | None:
     """Why ``path`` is not this user's private directory (absent, not a directory, a
     symbolic link, another user's, writable by group or others, or below a directory
-    another user could swap: reft_ext/store/safe_dir.py), or None when it is."""
+    another user could swap: reft_ext/safe_dir.py), or None when it is."""
     return safe_dir.problem(path)
 
 

@@ -34,10 +34,9 @@ import stat
 import numpy as np
 import torch
 
-from reft_ext import _native
+from reft_ext import _native, safe_dir
 from reft_ext.store.paths import check_name as _check_name
 from reft_ext.store.paths import job_dir
-from reft_ext.store import safe_dir
 from reft_ext.testing import fault_point  # tests: --inject-fault ...:shm-full (no-op otherwise)
 
 log = logging.getLogger("reft")
@@ -131,7 +130,7 @@ def ensure_private_dir(path: str) -> None:
     """Create the job's directory, or take an existing one only if it is this user's:
     a directory of another user (another job with the same id, or a planted one) is
     never written into, and the error says what to do. Opened from / one directory at a
-    time (reft_ext/store/safe_dir.py): one below a directory another user could swap
+    time (reft_ext/safe_dir.py): one below a directory another user could swap
     (a --reft-shm-dir of theirs) is refused too."""
     what = "Start this job with another --reft-job-id (or --reft-shm-dir), or remove " \
         f"{path} if the job that made it is over"

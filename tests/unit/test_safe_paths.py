@@ -20,7 +20,8 @@ import tempfile
 import pytest
 
 from reft_ext.config import ReftConfig, ReftConfigError, _job_id_of, default_job_id
-from reft_ext.store import paths, safe_dir
+from reft_ext import safe_dir
+from reft_ext.store import paths
 
 NOBODY = 65534
 IS_ROOT = os.geteuid() == 0
