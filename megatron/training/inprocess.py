@@ -279,6 +279,8 @@ def restart_in_process(trainer, failure: str) -> None:
     except Exception as exc:  # noqa: BLE001 - this process cannot go on: replaced
         raise RestartError(f"leaving generation {g} failed: {exc!r}") from exc
     t_abort = time.time()
+    if getattr(trainer, "goodput", None) is not None:  # goodput: the abort ends here
+        trainer.goodput.switch("rejoin")
     gen.next_generation(timeout_s=60.0 * args.distributed_timeout_minutes, trained=at)
     t_gen = time.time()
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)

@@ -24,6 +24,7 @@ from megatron.core.timers import Timers
 from megatron.training import (children, fallbacks, fault_injection, inprocess,
                                inprocess_generation, llama_model)
 from megatron.training.checkpointing import Checkpointer
+from megatron.training.goodput_integration import GoodputTracker
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
 from megatron.training.signals import ExitSignal
@@ -104,6 +105,8 @@ class Trainer:
         self.args = args
         self.hooks = list(hooks)
         self.t_process = process_start_time()
+        # goodput: every second of this rank's in one category (reft_ext/report/goodput.py)
+        self.goodput = GoodputTracker(args, self.t_process)
         self.marks = [("imports", time.time())]
         self.restarts = 0  # in-process restarts of this process
         children.install()  # whatever this rank forks (checkpoint writers) dies with it
@@ -153,7 +156,8 @@ class Trainer:
         self.zeropp = zeropp_integration.install(args)
         cfg = self.config
         cfg.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-        cfg.finalize_model_grads_func = finalize_model_grads
+        # the gradient sync, timed (straggler detection: compute before it, waits in it)
+        cfg.finalize_model_grads_func = self.goodput.wrap_finalize(finalize_model_grads)
         cfg.grad_scale_func = optimizer.scale_loss
         self.state = TrainingState(model, optimizer, scheduler)
         # schedule events (bubbles for HAS, the Chrome trace): only when asked for, so a
@@ -188,6 +192,7 @@ class Trainer:
                 # snapshots ...): the shared memory it allocated goes with it
                 self.reft.release_start()
             self._failure = self._restartable(exc)
+            self.goodput.failed()
 
     def _restartable(self, exc: Exception) -> str:
         """``exc`` as the text of a failure this rank restarts from in its own process,
@@ -204,6 +209,7 @@ class Trainer:
         order on every rank): REFT's session and the newest state, the run id, the data.
         A fresh process and a survivor of an in-process restart both come through here."""
         self.ckpt = Checkpointer(self.args) if (self.args.save or self.args.load) else None
+        self.goodput.loading(True)
         self.restored = restored = self._load()
         if self.init_skipped and not restored:
             from reft_ext.cluster.inprocess import RestartError
@@ -214,6 +220,7 @@ class Trainer:
                                "initialised: this rank restarts as a new process")
         self.init_skipped = False  # (a later generation of this process restores anew)
         self._name_run()
+        self.goodput.loading(False)
         self.marks.append(("load", time.time()))
         self._build_data()
         self.marks.append(("data", time.time()))
@@ -293,12 +300,15 @@ class Trainer:
         self.timers("forward-backward").stop()
         if ev:
             ev.step_end()
+        self.goodput.switch("snapshot")  # REFT's blocking, in goodput's terms
         for hook in self.hooks:  # REFT: the snapshot in flight completes before the step
             hook.before_optimizer_step(s)
+        self.goodput.switch("productive")
         fault_point("step", iteration=s.iteration + 1)  # --inject-fault (reft_ext/testing)
         if self.spikes:
             maybe_inject_spike(self.spikes, torch.distributed.get_rank(), s.iteration + 1,
                                s.model, self.spikes_fired)
+        self.goodput.optimizer_begin()
         self.timers("optimizer", log_level=0).start()
         if ev:
             ev.phase_begin("optimizer-step")
@@ -306,6 +316,7 @@ class Trainer:
         if ev:
             ev.phase_end("optimizer-step", "optimizer", iteration=s.iteration + 1)
         self.timers("optimizer").stop()
+        self.goodput.optimizer_end()
         if ok:
             s.scheduler.step(increment=args.global_batch_size)
         return _reduce_losses(losses), (0 if ok else 1), grad_norm
@@ -344,20 +355,24 @@ class Trainer:
             try:
                 if failure is not None:
                     inprocess.restart_in_process(self, failure)
+                    self.goodput.recovered(self.state.iteration)
                     failure = None
                 return self._train()
             except Exception as exc:  # noqa: BLE001 - classified by _restartable
                 failure = self._restartable(exc)
+                self.goodput.failed()
 
     def _train(self) -> TrainingState:
         args, s = self.args, self.state
         for hook in self.hooks:
             hook.on_start(s)
+        self.goodput.training(s)
         first = self.restarts == 0  # the start-up split: once per process
         record("resume", iteration=s.iteration)  # every rank training again (downtime)
         trained = False
         while s.iteration < args.train_iters:
             t0 = time.time()
+            self.goodput.begin_iteration(s.iteration + 1)
             self._maybe_skip_batches()
             if first:
                 self.logger.startup(t0 - self.t_process, self._startup_split())
@@ -374,21 +389,25 @@ class Trainer:
                     s.nan_iters += 1
             s.report = {"loss": loss.get("lm loss"), "grad_norm": grad_norm}
             done = s.iteration
+            self.goodput.switch("snapshot")
             for hook in self.hooks:
                 hook.after_step(s)
+            self.goodput.switch("productive")
             if s.iteration < done:  # a loss-spike rollback (REFT) took the state back
+                self.goodput.rolled_back(s.iteration)
                 self._after_rollback()
                 continue
             if self.ckpt:
                 self.ckpt.maybe_finalize(blocking=False)
             self.logger.iteration(loss, grad_norm, skipped, time.time() - t0, self.timers)
+            self.goodput.iteration_done(s, self.logger.writer)
             if "lm loss" in loss:  # one rank: when each iteration ended (downtime figures)
                 record("iteration", iteration=s.iteration)
             if not trained:  # the first iteration of this (re)start is done
                 inprocess.trained()
                 trained = True
             if s.iteration % args.eval_interval == 0 and args.eval_iters > 0:
-                with self._long_phase():
+                with self._long_phase(), self.goodput.phase("validation"):
                     self.evaluate()
             if self._should_stop():
                 break
@@ -433,7 +452,7 @@ class Trainer:
 
     def _save_unless_saved(self) -> None:
         if self.args.save and self.ckpt.latest != self.state.iteration:
-            with self._long_phase():
+            with self._long_phase(), self.goodput.phase("checkpoint"):
                 self.ckpt.save(self.state)
 
     def _should_stop(self) -> bool:
@@ -458,6 +477,7 @@ class Trainer:
             print_rank_0(f"checkpoints are in {os.path.abspath(args.save)}")
         for hook in self.hooks:
             hook.on_exit(s)
+        self.goodput.finish(s)  # every rank; rank 0: [REFT] goodput: ... (the job's)
         self.reft.write_trace()  # --reft-trace-file
         if args.log_params_hash:
             emit(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
