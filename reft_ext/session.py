@@ -42,7 +42,7 @@ from reft_ext.save.snapshotter import ReftSnapshotter, StateAdapter, reft_print
 from reft_ext.sigterm_guard import SigtermGuard
 from reft_ext.state.identity import refuse_other_runs
 from reft_ext.store.paths import node_dir
-from reft_ext.testing import collectives
+from reft_ext.testing import collectives, fault_point
 from reft_ext.store.shm import ShmDirError, ensure_private_dir
 
 
@@ -321,6 +321,7 @@ class ReftSession(_Trace, Session):
         self.count_recovery("the persistent checkpoint")
 
     def on_start(self, state) -> None:
+        fault_point("on-start", iteration=state.iteration)  # --inject-fault ...@on-start
         preverify.discard()  # checksums begun at an abandon that no REFT-load took
         self.snap.start()  # AOR: every holder gets its owner's (restored) shard
         if self.cfg.hang_timeout > 0:  # before the watcher reads it; armed after 1 iteration

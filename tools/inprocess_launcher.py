@@ -29,6 +29,22 @@ from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig  # noqa: E4
 from tools.launch_config import JobOutput  # noqa: E402
 
 
+def hang_timeout(script_args: list[str]) -> float:
+    """The trainer's --reft-hang-timeout (its last value, as argparse takes it; 0: off),
+    which the supervisor's start-up watch uses too."""
+    value = 0.0
+    for i, a in enumerate(script_args):
+        text = a.split("=", 1)[1] if a.startswith("--reft-hang-timeout=") else \
+            script_args[i + 1] if a == "--reft-hang-timeout" and i + 1 < len(script_args) \
+            else None
+        if text is not None:
+            try:
+                value = float(text)
+            except ValueError:
+                pass  # the trainer refuses it with its own line
+    return value
+
+
 class InProcessLauncher(JobOutput):
     """start(), kill_node(i), wait(), output(i), wait_for(), close(); ``history``."""
 
@@ -44,7 +60,7 @@ class InProcessLauncher(JobOutput):
             world_size=cfg.nnodes * cfg.nproc_per_node, ranks_per_node=cfg.nproc_per_node,
             script=path, script_args=list(script_args), job_id=cfg.job_id,
             log_dir=cfg.log_dir, spares=cfg.spares, max_restarts=cfg.max_restarts,
-            env=run_env, cwd=REPO))
+            hang_timeout=hang_timeout(script_args), env=run_env, cwd=REPO))
 
     @property
     def history(self) -> list[dict]:
@@ -72,12 +88,18 @@ class InProcessLauncher(JobOutput):
         return self.sup.alive()
 
     def terminate(self, sig: int = signal.SIGTERM, timeout: float = 60) -> dict[int, int]:
-        """Preemption: every rank gets ``sig`` (the trainer's exit-signal handling) and
-        the job ends without a new generation."""
-        self.sup.max_restarts_reached()
-        for r in self.sup.pids():
-            self.sup.kill_rank(r, sig)
-        return self.wait(timeout)
+        """Preemption: every rank gets ``sig`` (the trainer commits the snapshot in flight
+        or saves: its exit-signal handling), the job ends without a new generation and
+        the nodes' watchers flush. {node: the job's code}: EXIT_PREEMPTED once all of
+        that is done, 1 where a rank failed or a flush did not end in ``timeout``."""
+        self.sup.preempt(sig)
+        codes = self.wait(timeout)
+        self.flushed = node_status.wait_watchers(self.cfg.shm_dir, self.cfg.job_id, timeout)
+        if not self.flushed:
+            print(f"[launcher] preempted, but the nodes' watchers did not finish flushing "
+                  f"within {timeout:.0f} s", flush=True)
+            codes = {n: 1 for n in codes}
+        return codes
 
     def wait(self, timeout: float = 300) -> dict[int, int]:
         """Wait for the job; {node: exit code} (one code: the job's)."""

@@ -259,7 +259,8 @@ class NodeLauncher(JobOutput):
             if p.poll() is None:
                 os.kill(p.pid, sig)
         codes = self.wait(timeout)
-        node_status.wait_watchers(self.cfg.shm_dir, self.cfg.job_id, timeout)
+        # the job's exit status says preempted only once the flush is done (job_exit)
+        self.flushed = node_status.wait_watchers(self.cfg.shm_dir, self.cfg.job_id, timeout)
         return codes
 
     def wait(self, timeout: float = 300) -> dict[int, int]:
@@ -360,7 +361,32 @@ def main(argv=None) -> int:
         launcher.close()
     for n in range(cfg.nnodes):
         print(f"node {n}: exit {codes.get(n)}, logs in {cfg.log_dir}")
-    return 0 if stop or all(c == 0 for c in codes.values()) else 1
+    code = job_exit(codes, bool(stop), getattr(launcher, "flushed", False),
+                    cfg.restart == "in-process")
+    print(f"job {cfg.job_id}: {EXIT_MEANING.get(code, 'failed')} (exit {code})", flush=True)
+    return code
+
+
+# The launcher's exit status, what a scheduler decides on (docs/operations.md): 0 the job
+# finished; EXIT_PREEMPTED (143 = 128 + SIGTERM) stopped by SIGTERM/SIGINT with every node
+# stopped and its snapshots flushed (requeue it: it resumes with nothing lost); 1 failed.
+from reft_ext.cluster.supervisor import EXIT_PREEMPTED  # noqa: E402
+
+EXIT_MEANING = {0: "finished", EXIT_PREEMPTED: "preempted, snapshots flushed", 1: "failed"}
+
+
+def job_exit(codes: dict, stopped: bool, flushed: bool, in_process: bool) -> int:
+    """The job's status from its nodes' codes. Stopped by a signal: EXIT_PREEMPTED once
+    the nodes' watchers finished flushing and no rank failed on the way (the in-process
+    supervisor's code says so; a torchrun agent ends with 1 after a SIGTERM whatever
+    happened, so there the flush decides), else 1."""
+    if not stopped:
+        return 0 if all(c == 0 for c in codes.values()) else 1
+    if not flushed:
+        return 1
+    if in_process and not all(c in (0, EXIT_PREEMPTED) for c in codes.values()):
+        return 1
+    return EXIT_PREEMPTED
 
 
 if __name__ == "__main__":

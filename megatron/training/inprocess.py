@@ -302,15 +302,11 @@ def restart_in_process(trainer, failure: str) -> None:
     trainer.timers = Timers(log_level=0, log_option="minmax")  # the step's were running
     if trainer.events is not None:
         trainer.events.interrupted()
-    trainer._join()  # REFT-load (own memory; peers' for the replacements), run id, data
+    trainer._join()  # REFT-load (own memory; peers' for the replacements), agreement, data
     if getattr(trainer.reft, "enabled", False):
         trainer.reft.restarted_in_process = True
-    if not trainer.restored and at > 0:
-        # nothing restorable: a survivor cannot re-create a fresh model bit for bit, and
-        # its live state is not the replacements' (nor whole, if the failure came
-        # inside a step): every rank starts again from scratch, as a new process
-        raise RestartError("no state to roll back to (no snapshot committed yet, no "
-                           "--load): this rank restarts as a new process")
+    # nothing restorable and this rank stepped: _join's agreement (training.py
+    # _agree_start) made it restart as a new process, job-wide
     if not persistent():
         check_released(roots(trainer))
     gc.collect()  # the failed generation's cycles (exceptions, frames, Work objects)

@@ -160,6 +160,11 @@ class Trainer:
         cfg.finalize_model_grads_func = self.goodput.wrap_finalize(finalize_model_grads)
         cfg.grad_scale_func = optimizer.scale_loss
         self.state = TrainingState(model, optimizer, scheduler)
+        # the fresh start's state: what a rank that never stepped (nor was restored) holds,
+        # bit for bit what a new process of the same flags builds, with the RNG as it was
+        # here (an in-process restart that restores nothing resets a survivor to it)
+        self.pristine = not self.init_skipped
+        self._start_rng = TrainingState.rng_state()
         # schedule events (bubbles for HAS, the Chrome trace): only when asked for, so a
         # plain run calls megatron-core exactly as Megatron-LM does
         self.events, self.fb_kwargs, self.trace_group = \
@@ -206,21 +211,17 @@ class Trainer:
 
     def _join(self) -> None:
         """The job-wide part of start-up after the model exists (collective, in this
-        order on every rank): REFT's session and the newest state, the run id, the data.
-        A fresh process and a survivor of an in-process restart both come through here."""
+        order on every rank): REFT's session and the newest state, the agreement on what
+        every rank goes on with (the run id among it), the data. A fresh process and a
+        survivor of an in-process restart both come through here, and every collective
+        is entered by every rank whatever it kept (docs/nodes.md, the start-up audit)."""
         self.ckpt = Checkpointer(self.args) if (self.args.save or self.args.load) else None
         self.goodput.loading(True)
-        self.restored = restored = self._load()
-        if self.init_skipped and not restored:
-            from reft_ext.cluster.inprocess import RestartError
-
-            # the survivors found nothing either and restart as new processes; so does
-            # this one, whose weights were never initialised
-            raise RestartError("nothing restored into a replacement whose weights were not "
-                               "initialised: this rank restarts as a new process")
-        self.init_skipped = False  # (a later generation of this process restores anew)
-        self._name_run()
+        self.restored = self._load()
+        fault_point("join", iteration=self.state.iteration)  # --inject-fault ...@join
+        self._agree_start()
         self.goodput.loading(False)
+        self.init_skipped = False  # (a later generation of this process restores anew)
         self.marks.append(("load", time.time()))
         self._build_data()
         self.marks.append(("data", time.time()))
@@ -236,10 +237,8 @@ class Trainer:
                                                   self.events, self.trace_group)
         self.hooks.insert(0, self.reft)
         persistent = None
-        if args.load and os.path.isdir(args.load):
-            from megatron.training.checkpointing import read_tracker
-
-            persistent = read_tracker(args.load)
+        if args.load:  # every rank (the flags are the job's): one tracker, agreed
+            persistent = self._agreed_tracker()
         if self.reft.recover(persistent) is not None:
             return True
         if args.load and self.ckpt.load(self.state):
@@ -250,21 +249,75 @@ class Trainer:
                          "scratch at iteration 0")
         return False
 
-    def _name_run(self) -> None:
-        """A run id made at the first start and kept in the state (snapshots, flushed
-        snapshots and checkpoints carry it), so every restart knows which run it is."""
-        extra = self.state.extra
-        if "run_id" not in extra:
-            made = [f"{uuid.uuid4().hex[:12]}", time.strftime("%Y-%m-%d %H:%M:%S")]
-            torch.distributed.broadcast_object_list(made, src=0)
-            extra["run_id"], extra["run_started"] = made
+    def _agreed_tracker(self) -> int | None:
+        """--load's tracker iteration as every rank read it (one all_gather, every rank):
+        REFT-load plans with it and the persistent load's barrier follows from it, so a
+        rank that read another (a directory not shared across nodes, a save racing the
+        read) must not go its own way: the job stops with one line instead."""
+        from megatron.training.checkpointing import CheckpointError, read_tracker
+
+        try:  # a broken tracker stops every rank alike, after the gather
+            mine = read_tracker(self.args.load) if os.path.isdir(self.args.load) else None
+        except CheckpointError as exc:
+            mine = f"error: {exc}"
+        seen = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(seen, mine)
+        broken = [m for m in seen if isinstance(m, str)]
+        if broken:
+            raise CheckpointError(broken[0][len("error: "):])
+        if len(set(seen)) > 1:
+            raise CheckpointError(f"--load {self.args.load}: the ranks read different "
+                                  f"checkpoints ({sorted(set(map(str, seen)))}): it must be "
+                                  f"one directory every node shares")
+        return seen[0]
+
+    def _agree_start(self) -> None:
+        """What every rank goes on with, decided from facts all ranks gathered (one
+        all_gather, entered by every rank of every start and rejoin), never from what one
+        rank kept: its state is the job's restored one, or the fresh start's (it never
+        stepped; the RNG is reset to the build's); else every rank of the generation
+        leaves it (a rank that trained and has nothing to roll back to, a replacement
+        whose weights were never initialised, restarts as a new process; the others in
+        process). The run id is agreed here too: a survivor kept the one it named, a
+        replacement has none (a restored state's, else the first rank's kept one, else
+        one rank 0 makes); snapshots, flushed snapshots and checkpoints carry it."""
+        from reft_ext.cluster.inprocess import PeerFailure, RestartError
+
+        s, extra = self.state, self.state.extra
+        usable = self.restored or self.pristine
+        if self.restored:
+            self.pristine = False  # a restored state is not the fresh one
+        elif usable:  # the fresh start's state: its RNG as a new process has it here
+            s.set_rng_state(self._start_rng)
+        made = (uuid.uuid4().hex[:12], time.strftime("%Y-%m-%d %H:%M:%S"))
+        mine = (bool(self.restored), bool(usable), extra.get("run_id"),
+                extra.get("run_started"), *made)
+        seen = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(seen, mine)
+        stuck = [r for r, m in enumerate(seen) if not m[1]]
+        if stuck:
+            if not usable:
+                if self.init_skipped:  # the survivors found nothing either
+                    raise RestartError("nothing restored into a replacement whose weights "
+                                       "were not initialised: this rank restarts as a new "
+                                       "process")
+                # a survivor cannot re-create a fresh model bit for bit, and its live state
+                # is not the replacements' (nor whole, if the failure came inside a step)
+                raise RestartError("no state to roll back to (no snapshot committed yet, "
+                                   "no --load): this rank restarts as a new process")
+            raise PeerFailure(f"rank(s) {stuck} have no state to go on with and restart as "
+                              f"new processes: this generation ends")
+        named = [m for m in seen if m[0] and m[2]] or [m for m in seen if m[2]]
+        extra["run_id"], extra["run_started"] = (named[0][2], named[0][3]) if named else \
+            seen[0][4:6]
         print_rank_0(f"run {extra['run_id']} (first started {extra['run_started']}), "
-                     f"iteration {self.state.iteration}")
+                     f"iteration {s.iteration}")
 
     def _build_data(self):
         from megatron.training.data import build_train_valid_test_data_iterators
 
         s = self.state
+        fault_point("data", iteration=s.iteration)  # --inject-fault ...@data
         # a rejoin of an in-process restart: no collectives, the datasets kept in memory
         self.train_it, self.valid_it, _ = build_train_valid_test_data_iterators(
             self.args, self.tokenizer, s.consumed_train_samples, s.consumed_valid_samples,
@@ -305,6 +358,7 @@ class Trainer:
             hook.before_optimizer_step(s)
         self.goodput.switch("productive")
         fault_point("step", iteration=s.iteration + 1)  # --inject-fault (reft_ext/testing)
+        self.pristine = False  # from here the state is no longer the fresh start's
         if self.spikes:
             maybe_inject_spike(self.spikes, torch.distributed.get_rank(), s.iteration + 1,
                                s.model, self.spikes_fired)

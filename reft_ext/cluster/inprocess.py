@@ -52,6 +52,9 @@ import torch
 from reft_ext.cluster.comm_abort import (ABORT_TIMEOUT_S, AbortPlan,  # noqa: F401
                                          abort_communicators, peer_sockets, plan_abort,
                                          shutdown_peer_sockets)
+# what a failure is (a peer's, or this rank's own) lives beside this module too
+from reft_ext.cluster.failures import (PEER_ERRORS, PeerFailure, RestartError,  # noqa: F401
+                                       causes, is_peer_error)
 from reft_ext.report.threads import join_or_warn
 
 ENV_STORE = "REFT_INPROCESS_STORE"      # host:port of the supervisor's store
@@ -60,17 +63,6 @@ ENV_SECRET = "REFT_INPROCESS_SECRET"   # hex of the job's 32-byte HMAC key (neve
 PREFIX = "reft/ip"
 POLL_S = 0.05                           # how often a rank looks for an abort
 EXIT_UNSAFE_ABORT = 1                   # the watcher's exit where aborting failed
-
-# what a collective raises when a peer died or our own abort closed its connections
-PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-               "Connection refused", "Socket Timeout", "Timed out", "timed out",
-               "Connection timed out", "Bad file descriptor", "NCCL communicator was aborted",
-               "recvBytes", "sendBytes", "ECONNRESET", "EPIPE")
-
-
-class RestartError(RuntimeError):
-    """This rank cannot restart in its own process (it exits; a replacement takes over)."""
-
 
 def enabled() -> bool:
     """Started by the in-process supervisor (else torchrun restarts processes)."""
@@ -218,13 +210,6 @@ def published_generation(store, secret: bytes) -> int | None:
         return None
     g = int(value)
     return g if verify(secret, k, raw, g) is not None else None
-
-
-def is_peer_error(exc: BaseException) -> bool:
-    """What a collective raises when a peer died or the connections were aborted."""
-    text = f"{type(exc).__name__}: {exc}"
-    dist_err = isinstance(exc, getattr(torch.distributed, "DistError", ()))
-    return dist_err or any(p in text for p in PEER_ERRORS)
 
 
 class Generation:

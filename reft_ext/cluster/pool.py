@@ -45,6 +45,11 @@ class Worker:
     def probe(self) -> None:
         """It is neither ready nor dead after an abort: find out soon (a node's loss)."""
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time it has used (the start-up watch's progress), None where this host
+        cannot read it (a node agent's worker on another host)."""
+        return None
+
     def wait_dead(self, timeout: float) -> bool:
         """After :meth:`kill`: wait until it has ended; False if it has not in time."""
         deadline = time.time() + timeout
@@ -105,6 +110,11 @@ class _LocalWorker(Worker):
 
     def poll(self) -> int | None:
         return self.proc.poll()
+
+    def cpu_seconds(self) -> float | None:
+        from reft_ext.cluster.startup_watch import cpu_seconds
+
+        return cpu_seconds(self.pid)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         try:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -50,10 +51,15 @@ from dataclasses import dataclass, field
 from reft_ext.cluster.inprocess import (key, new_secret, read_signed, set_first, sign,
                                         wake_ranks)
 from reft_ext.cluster.pool import LocalPool, Pool, Worker
+from reft_ext.cluster.startup_watch import StartupWatch, stopped
 from reft_ext.report.threads import join_or_warn
 
 # what a warm spare imports while it waits (a cold worker imports the same on its own),
 # and MOD:FUNC, called with the script's arguments: what any rank needs (spare.py)
+# the job's exit status when the scheduler's signal stopped it (128 + SIGTERM, a shell's
+# code for a process that signal ended): every rank ended by it (or saved and exited 0),
+# nothing failed on the way; tools/launch_nodes.py adds: and the snapshots were flushed
+EXIT_PREEMPTED = 128 + signal.SIGTERM
 DEFAULT_PRELOAD = ("torch,megatron.core.parallel_state,megatron.core.models.gpt,"
                    "megatron.core.optimizer,megatron.training.training,reft_ext.session,"
                    "megatron.training.warm:prepare")
@@ -70,6 +76,9 @@ class SupervisorConfig:
     spares: int = 0               # warm workers kept ready beside the job's ranks
     max_restarts: int = 3         # generations after the first (torchrun's meaning)
     abort_timeout: float = 30.0   # s a rank may take to stop after an abort (then killed)
+    # the trainer's --reft-hang-timeout: a generation's start-up (or rejoin) that makes no
+    # progress for twice this is aborted (startup_watch.py); 0 = not watched
+    hang_timeout: float = 0.0
     preload: str = DEFAULT_PRELOAD
     env: dict = field(default_factory=dict)
     cwd: str = ""
@@ -83,6 +92,8 @@ class SupervisorConfig:
             raise ValueError(f"--spares: must be >= 0, got {self.spares}")
         if self.abort_timeout <= 0:
             raise ValueError(f"--abort-timeout: must be > 0, got {self.abort_timeout}")
+        if self.hang_timeout < 0:
+            raise ValueError(f"--reft-hang-timeout: must be >= 0, got {self.hang_timeout}")
 
 
 def listen(host: str = "127.0.0.1", port: int = 0, **kwargs):
@@ -107,6 +118,16 @@ def listen(host: str = "127.0.0.1", port: int = 0, **kwargs):
     return store
 
 
+def failure_kind(dead: list[int], asked: str) -> str:
+    """How a generation failed, without what differs between two failures of one kind
+    (addresses, times, generation numbers): the same kind twice in a row is said."""
+    if "start-up made no progress" in asked:
+        return "its start-up stalled"
+    if dead:
+        return f"rank(s) {dead} exited"
+    return re.sub(r"\d+", "N", asked.split(": ", 1)[-1])[:80]
+
+
 class Supervisor:
     """start(), kill_rank(r), wait(), close(); ``logs[rank]`` and ``history``."""
 
@@ -122,6 +143,8 @@ class Supervisor:
         self.history: list[dict] = []
         self.returncode: int | None = None
         self.failure = ""
+        self.preempted = 0  # the signal of a preemption (preempt): no generation after it
+        self.watch = StartupWatch(cfg.hang_timeout)  # each generation's start-up
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -171,6 +194,7 @@ class Supervisor:
         self._publish()
         for r in range(self.cfg.world_size):
             self._assign(self.pool.take(r), r)
+        self.watch.begin(self.gen)
         self.pool.refill()  # the warm spares, once every rank has its process
         self._thread = threading.Thread(target=self._run, name="reft-supervisor",
                                         daemon=True)
@@ -185,6 +209,8 @@ class Supervisor:
             while not self._stop.is_set():
                 with self._lock:
                     codes = {r: w.poll() for r, w in self.ranks.items()}
+                    if self.preempted and self._preempted_end(codes):
+                        return
                     dead = sorted(r for r, c in codes.items() if c not in (None, 0))
                     if all(c is not None for c in codes.values()) and \
                             (not dead or 0 in codes.values()):
@@ -201,16 +227,48 @@ class Supervisor:
                                 return
                             continue
                         self._refill()
+                        self._watch_startup()
                 self.pool.update(0.02)
         except Exception as exc:  # noqa: BLE001 - reported, the job is stopped
             self.failure = f"supervisor: {type(exc).__name__}: {exc}"
             self.returncode = 1
             self.pool.close()
 
+    def _say(self, msg: str) -> None:
+        say = getattr(self.pool, "say", None)
+        if say is not None:
+            say(msg)
+        else:
+            print(f"[supervisor] {msg}", flush=True)
+
+    def _watch_startup(self) -> None:
+        """Until every rank of the generation finished an iteration in it: a start-up
+        (or rejoin) without progress for the watch's limit is aborted like a failure."""
+        w = self.watch
+        if not w.due():
+            return
+        ranks = sorted(self.ranks)
+        marks = sum(self._signed(key("trained", self.gen, r), self.gen) for r in ranks)
+        silent = w.check([self.ranks[r].cpu_seconds() for r in ranks], marks, len(ranks))
+        if silent is None:
+            return
+        w.finished = True
+        reason = w.reason(silent)
+        frozen = [r for r in ranks if stopped(self.ranks[r].pid if self.ranks[r].cpu_seconds()
+                                               is not None else None)]
+        self._say(f"{reason}: aborting it" + (f"; rank(s) {frozen} stopped (killed: a "
+                                              f"stopped process cannot abort)" if frozen else ""))
+        for r in frozen:
+            self.ranks[r].kill(signal.SIGKILL)
+        set_first(self.store, self.secret, key("abort", self.gen), f"supervisor: {reason}",
+                  self.gen)
+
     def _new_generation(self, dead: list[int]) -> bool:
         """End generation g: abort, wait for survivors or deaths, replace, publish g+1."""
         g, t_detect = self.gen, time.time()
-        reason = f"rank(s) {dead} exited" if dead else "a rank asked"
+        asked = read_signed(self.store, self.secret, key("abort", g), g) or ""
+        reason = f"rank(s) {dead} exited" if dead else (asked or "a rank asked")
+        how = failure_kind(dead, asked)
         set_first(self.store, self.secret, key("abort", g), f"supervisor: {reason}", g)
         wake_ranks(self.store, g, self.ranks)
         deadline = time.time() + self.cfg.abort_timeout
@@ -252,19 +310,45 @@ class Supervisor:
             where.append(w.wid)
             self._assign(w, r)
         self._publish()
+        again = bool(self.history) and self.history[-1].get("how") == how
         self.history.append(dict(generation=self.gen, reason=reason, dead=dead,
                                  warm=warm, workers=where, t_detect=t_detect,
-                                 t_ready=t_ready, t_published=time.time()))
-        say = getattr(self.pool, "say", None)
-        if say is not None:
-            say(f"generation {self.gen}: rank(s) {dead} replaced by worker(s) {where} "
-                f"({sum(warm)} warm; {reason}); {self.pool.describe()}")
+                                 t_ready=t_ready, t_published=time.time(), how=how))
+        self.watch.begin(self.gen)
+        if again:
+            self._say(f"generation {g} failed the same way as generation {g - 1} ({how})")
+        if getattr(self.pool, "say", None) is not None:
+            self._say(f"generation {self.gen}: rank(s) {dead} replaced by worker(s) {where} "
+                      f"({sum(warm)} warm; {reason}); {self.pool.describe()}")
         return True
 
     # ---- faults from outside (tests, benchmarks) -----------------------------------
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
         with self._lock:
             self.ranks[rank].kill(sig)
+
+    def preempt(self, sig: int = signal.SIGTERM) -> None:
+        """The scheduler stops the job (its SIGTERM to the launcher): every rank gets
+        ``sig`` (the trainer commits the snapshot in flight, the node watchers flush) and
+        no generation follows; the job's code is then EXIT_PREEMPTED, or 1 where a rank
+        failed on the way (``failure`` says which)."""
+        with self._lock:
+            self.preempted = int(sig)
+            self.max_restarts_reached()
+            for w in self.ranks.values():
+                w.kill(sig)
+
+    def _preempted_end(self, codes: dict) -> bool:
+        """After :meth:`preempt`: once every rank ended, the job's code (True: ended)."""
+        if any(c is None for c in codes.values()):
+            return False
+        sig = self.preempted
+        bad = {r: c for r, c in codes.items() if c not in (0, -sig, 128 + sig)}
+        self.returncode = 1 if bad else EXIT_PREEMPTED
+        if bad:
+            self.failure = (f"preempted (signal {sig}), but rank(s) {sorted(bad)} failed "
+                            f"while stopping (exit codes {sorted(set(bad.values()))})")
+        return True
 
     def max_restarts_reached(self) -> None:
         """No new generation from now on (preemption: the job is being stopped)."""

@@ -36,7 +36,13 @@ trainer side
   checks and before any state is loaded. Here ITER is the iteration the attempt resumes
   from (the newest committed REFT snapshot of any rank or the persistent tracker's
   iteration, whichever is newer; 0 for a fresh start) and ATTEMPT the job-wide attempt
-  (the highest restart count among the ranks); ITER 0 is allowed for this phase only;
+  (the highest restart count among the ranks); ITER 0 is allowed here;
+* ``join``: the start-up's (or an in-process restart's rejoin's) job-wide part, after the
+  state was loaded or restored (ITER: its iteration, 0 for a fresh start), before the
+  ranks agree on what they go on with (megatron/training/training.py ``_agree_start``);
+* ``data``: the datasets and iterators are about to be built (ITER: the iteration the
+  data is read from; 0 at a fresh start), the peers inside megatron-core's dataset
+  build and its barriers;
 
 library side (REFT runs; reft_ext calls them)
 * ``has-copy``: a HAS unit being copied; ``snapshot-write``: halfway through writing
@@ -46,7 +52,9 @@ library side (REFT runs; reft_ext calls them)
   REFT-load while recovering (ITER = the iteration being restored); ``flush``: the node
   watcher flushing a snapshot to disk (the watcher is a process of its own: this phase is
   set through ``REFT_WATCHER_FAULT=flush:NODE[:ATTEMPT]``, tools/chaos.py does;
-  ``--inject-fault ...@flush`` is refused).
+  ``--inject-fault ...@flush`` is refused); ``on-start``: REFT's session start (its
+  ``on_start``; ITER the iteration training resumes from, 0 allowed), the peers in its
+  job-wide sum and AOR start-up.
 
 MODE:
 
@@ -105,7 +113,9 @@ SEAM_PHASES = ("forward", "backward", "send", "recv")  # through megatron-core's
 SAVE_PHASES = ("save", "save-tracker", "save-done", "save-async")
 TRAINER_PHASES = (*SEAM_PHASES, "step", *SAVE_PHASES, "health")
 LIBRARY_PHASES = ("has-copy", "snapshot-write", "commit", "aor", "load-read",
-                  "load-exchange", "load-rebuild", "flush")
+                  "load-exchange", "load-rebuild", "flush", "on-start")
+# moments of a start (or an in-process restart's rejoin): ITER 0 allowed (a fresh start)
+START_PHASES = ("health", "join", "data", "on-start")
 PHASES = (*TRAINER_PHASES, *LIBRARY_PHASES)
 DEFAULT_PHASE = "step"
 
@@ -174,10 +184,11 @@ def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
             raise _err(f"unknown signal {parts[2]!r}") from None
     if rank < 0 or (world_size is not None and rank >= world_size):
         raise _err(f"rank {rank} is outside the world of {world_size} ranks")
-    lowest = 0 if phase == "health" else 1  # health: the iteration resumed from
+    lowest = 0 if phase in START_PHASES else 1  # the iteration started (resumed) from
     if iteration < lowest:
         raise _err(f"iteration must be >= {lowest}"
-                   f"{'' if lowest == 0 else ' (0 only with @health)'}, got {iteration}")
+                   f"{'' if lowest == 0 else ' (0 only with @' + '/@'.join(START_PHASES) + ')'}"
+                   f", got {iteration}")
     return FaultSpec(rank, iteration, int(sig), "" if mode == "snapshot" else mode,
                      int(attempt), phase)
 

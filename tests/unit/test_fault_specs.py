@@ -87,7 +87,7 @@ def test_several_specs_and_every_phase_parses():
     ("1:3:KILL:sometimes", "unknown mode 'sometimes'.*shm-full"),
     ("1:3:KILL:node:x", "ATTEMPT must be an integer"),
     ("7:3", "rank 7 is outside the world of 4 ranks"),
-    ("1:0", "iteration must be >= 1 \\(0 only with @health\\), got 0"),
+    ("1:0", "iteration must be >= 1 \\(0 only with @health/@join/@data/@on-start\\), got 0"),
     ("1:-1@health", "RANK and ITER must be integers|iteration must be >= 0"),
 ])
 def test_errors_name_the_flag(text, match):
