@@ -10,7 +10,9 @@
 #     for each --reft-device-readahead in GPU_LEASE_READAHEAD (default "0 16": the
 #     unlocked slots through staging, then page-locked slots 16 units ahead), and the
 #     [REFT] snapshot lines (bytes, ms);
-#  3. tools/gpu_smoke.sh (failure-free run, crash + REFT-load + bit-identical final
+#  3. several ranks sharing the GPU (tools/gpu_multirank.py: lost nodes under ARC and
+#     AEC with AOR's device owners, a crash; compared with the failure-free run);
+#  4. tools/gpu_smoke.sh (failure-free run, crash + REFT-load + bit-identical final
 #     state, iteration times) with fewer iterations than its default;
 #
 # each step under its own time limit, so one that hangs cannot take the others with it.
@@ -43,6 +45,32 @@ bounded() {
     [ $rc -eq 124 ] && echo "(killed after $limit s)" >>"$log"
     return $rc
 }
+
+# ---- several ranks on one GPU (issue 51; GPU_LEASE_MULTIRANK=0 skips it) ----------------
+# tools/gpu_multirank.py: 2 nodes x 2 ranks sharing the GPU over gloo (device tensors,
+# megatron/training/gloo_device.py stages what gloo cannot do on them), TP2 x DP2 ZeRO-1:
+# a failure-free reference, a lost node under arc,aor and under aec,aor (REFT-load's H2D
+# of peers' slices, AOR's device owners), a crash; each final checkpoint compared with
+# the reference by tools/compare_checkpoints.py. Its table goes to $OUT/multirank.
+# GPU_LEASE_DRY_RUN=1: only this step's trainer commands, printed (tests parse them).
+multi_rank_step() {
+    local dir=$OUT/multirank
+    if [[ ${GPU_LEASE_DRY_RUN:-0} == 1 ]]; then
+        "$PY" tools/gpu_multirank.py --dry-run --out "$dir"
+        return
+    fi
+    [[ ${GPU_LEASE_MULTIRANK:-1} == 0 ]] && return
+    step "several ranks on one GPU (tools/gpu_multirank.py)"
+    rm -rf /dev/shm/reft-* "$dir" 2>/dev/null
+    bounded 240 "$OUT/multirank.log" "$PY" tools/gpu_multirank.py --out "$dir" --timeout 90
+    note "several ranks on one GPU: exit $? ($(grep -c 'identical' "$dir/table.md" 2>/dev/null) of 3 identical; multirank.log, multirank/table.md)"
+    cat "$dir/table.md" 2>/dev/null
+}
+if [[ ${GPU_LEASE_DRY_RUN:-0} == 1 ]]; then
+    [[ -z ${GPU_LEASE_SITE:-} ]] && rmdir "$SITE" 2>/dev/null
+    multi_rank_step
+    exit 0
+fi
 
 step "machine"
 { nvidia-smi -L; nvcc --version | tail -2; "$PY" -c 'import sys, torch
@@ -100,6 +128,8 @@ if [ "$MODEL" != none ]; then
         grep -h '\[REFT\] snapshot' "$OUT/$log.log" | tail -3
     done
 fi
+
+multi_rank_step  # after the save-speed steps, before the smoke
 
 step "tools/gpu_smoke.sh, $ITERS iterations"
 rm -rf /dev/shm/reft-* 2>/dev/null

@@ -57,6 +57,10 @@ def initialize_distributed(args) -> None:
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     if cuda:  # before the process group: NCCL binds each rank's communicators to it
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if cuda and backend == "gloo":  # several ranks on one GPU (tools/gpu_multirank.py)
+        from megatron.training import gloo_device
+
+        gloo_device.install()
     if not torch.distributed.is_initialized():
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         # under the in-process supervisor: this generation's store prefix

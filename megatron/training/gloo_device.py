@@ -1,0 +1,140 @@
+"""gloo with device tensors: several ranks on one GPU (tools/gpu_multirank.py). NCCL
+refuses two ranks on one device; gloo accepts device tensors for some collectives only,
+and its TCP transport would read a device pointer as host memory for the others. With
+``--distributed-backend gloo`` on a CUDA machine the trainer installs this module's
+staging (initialize.py): each collective megatron-core calls on a gloo group with device
+tensors runs on host copies (device -> host, the collective, host -> device, in the
+caller's stream order), synchronously; an ``async_op`` caller gets a finished handle.
+Inside megatron-core's ``_coalescing_manager`` the staged calls run at once, so nothing is
+queued for the manager to coalesce (its handle then waits for nothing). Host tensors
+(REFT's own groups, a CPU run) pass through untouched. Slow, and meant to be: a test
+mode of the device paths, not a way to train."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+
+# the collectives megatron-core's DDP, optimizer and tensor parallelism call (p2p is not
+# staged: a staged irecv would block where a batched exchange expects it posted)
+STAGED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
+          "all_gather", "_reduce_scatter_base", "_all_gather_base")
+# modules that captured one of them by name at import: (module, attribute)
+ALIASES = (("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func"),
+           ("megatron.core.distributed.param_and_grad_buffer", "dist_reduce_scatter_func"),
+           ("megatron.core.transformer.multi_token_prediction", "dist_all_gather_func"))
+_originals: dict = {}
+
+
+class _Done:
+    """The handle of a collective that already ran (what ``async_op=True`` gets)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _on_device(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
+def _to_host(x, predicate, moved: list):
+    """``x`` with the tensors ``predicate`` marks replaced by host copies; (host,
+    original) pairs in ``moved`` to copy back. Lists of tensors too (all_gather's)."""
+    if isinstance(x, torch.Tensor) and predicate(x):
+        h = x.detach().to("cpu", copy=True)
+        moved.append((h, x))
+        return h
+    if isinstance(x, (list, tuple)) and any(isinstance(t, torch.Tensor) and predicate(t)
+                                            for t in x):
+        return type(x)(_to_host(t, predicate, moved) for t in x)
+    return x
+
+
+def staged(fn, predicate=_on_device):
+    """``fn`` (a torch.distributed collective) run on host copies of its device tensors
+    when its group is gloo. ``predicate`` says which tensors to stage (tests stage host
+    tensors to check the copies on a machine without a device)."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        values = list(bound.arguments.values())
+        flat = [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v])]
+        if not any(predicate(t) for t in flat):
+            return fn(*args, **kwargs)
+        group = bound.arguments.get("group")
+        if "gloo" not in str(dist.get_backend(group)):  # (reft_gloo in-process too)
+            return fn(*args, **kwargs)
+        async_op = bool(bound.arguments.pop("async_op", False))
+        moved: list = []
+        for name, value in list(bound.arguments.items()):
+            bound.arguments[name] = _to_host(value, predicate, moved)
+        # inside a coalescing manager torch would only queue the call (on the host
+        # copies): run it now, outside the manager's queue, which stays as it was
+        state = dist.distributed_c10d._world.pg_coalesce_state
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        queued = state.pop(pg, None)
+        try:
+            work = fn(*bound.args, **bound.kwargs)
+            if work is not None and hasattr(work, "wait"):
+                work.wait()
+        finally:
+            if queued is not None:
+                state[pg] = queued
+        for host, dev in moved:
+            dev.copy_(host)
+        return _Done() if async_op else None
+    run.__wrapped_collective__ = fn
+    return run
+
+
+def install() -> list[str]:
+    """Stage the collectives of :data:`STAGED` (torch.distributed and megatron-core's
+    aliases of them); idempotent. Returns what was staged."""
+    import importlib
+
+    done = []
+    for name in STAGED:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+        if name not in _originals:
+            _originals[name] = fn
+            setattr(dist, name, staged(fn))
+        done.append(name)
+    by_original = {id(f): getattr(dist, n) for n, f in _originals.items()}
+    for module, attr in ALIASES:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        current = getattr(mod, attr, None)
+        if current is not None and id(current) in by_original:
+            setattr(mod, attr, by_original[id(current)])
+            done.append(f"{module}.{attr}")
+    return done
+
+
+def uninstall() -> None:
+    """Put the originals back (tests)."""
+    import importlib
+
+    staged_of = {id(getattr(dist, n)): f for n, f in _originals.items()}
+    for module, attr in ALIASES:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        current = getattr(mod, attr, None)
+        if current is not None and id(current) in staged_of:
+            setattr(mod, attr, staged_of[id(current)])
+    for name, fn in _originals.items():
+        setattr(dist, name, fn)
+    _originals.clear()
