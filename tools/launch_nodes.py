@@ -1,13 +1,14 @@
 """Several torchrun agents on one host, each standing for one node (library and CLI).
 
 Every agent is a real TorchElastic agent with its own process group (``start_new_session``),
-joined through c10d rendezvous on a loopback endpoint, so a node can be killed as a whole
-(SIGKILL of its process group, its shared memory removed) and replaced by a new agent for
+joined through the ``reft`` rendezvous (torch's dynamic rendezvous without pickle from the
+store: reft_ext/cluster/rendezvous.py) on a loopback endpoint, so a node can be killed as a
+whole (SIGKILL of its process group, its shared memory removed) and replaced by a new agent for
 the same slot, exactly as on a cluster. Each agent's ranks are one failure domain:
 LOCAL_WORLD_SIZE = --nproc-per-node makes REFT's ``--reft-ranks-per-node`` default to it,
 and the rendezvous id is TORCHELASTIC_RUN_ID, REFT's job id, on every agent.
 
-Slot i keeps group rank i in every rendezvous round: c10d assigns ranks in the sorted
+Slot i keeps group rank i in every rendezvous round: torch assigns ranks in the sorted
 order of (address, pid), so each agent gets its own loopback address ``127.0.1.(10+i)``
 (``--local-addr``); a replacement agent (new pid) thus takes over its slot's ranks and its
 slot's shared-memory directory ``<shm>/reft-<job>-node<i>``.
@@ -36,6 +37,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # reft_ext (status files) when run as a script
 
 from reft_ext.cluster import status as node_status  # noqa: E402
+from reft_ext.cluster.rendezvous import BACKEND as RDZV_BACKEND  # noqa: E402
+from reft_ext.cluster.rendezvous import ENV_SECRET as ENV_RDZV_SECRET  # noqa: E402
 from reft_ext import safe_dir  # noqa: E402
 from tools.launch_config import JobOutput, LaunchConfig, LaunchError  # noqa: E402,F401
 
@@ -135,10 +138,12 @@ def reserve_worker_ports() -> None:
     api.get_free_port = free_port
 
 
-# the agent: torchrun, with the workers' port reserved (its command line still names
-# torch.distributed.run: reft_integration and the benchmarks look for that)
+# the agent: torchrun, with the workers' port reserved and the ``reft`` rendezvous (no
+# pickle from the store: reft_ext/cluster/rendezvous.py); its command line still names
+# torch.distributed.run: reft_integration and the benchmarks look for that
 AGENT_MAIN = ("import sys; sys.path.insert(0, {repo!r}); import tools.launch_nodes as nodes; "
-              "nodes.reserve_worker_ports(); import torch.distributed.run as run; run.main()")
+              "nodes.reserve_worker_ports(); import torch.distributed.run as run; "
+              "import reft_ext.cluster.torchrun as reft_run; reft_run.main()")
 
 
 class NodeLauncher(JobOutput):
@@ -152,6 +157,9 @@ class NodeLauncher(JobOutput):
         # workers get a fresh MASTER_ADDR/PORT every round, published by that round's
         # rank 0: torch's shared agent store would keep a replaced node 0's dead port
         self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        # the job's rendezvous key: every agent seals and checks the rendezvous state and
+        # the round's values with it (environment only: /proc/<pid>/environ is private)
+        self.env[ENV_RDZV_SECRET] = os.urandom(32).hex()
         self.env.update(env or {})
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, list[str]] = {i: [] for i in range(cfg.nnodes)}
@@ -163,7 +171,7 @@ class NodeLauncher(JobOutput):
         nn = f"{c.min_nodes}:{c.nnodes}" if c.min_nodes else str(c.nnodes)
         return [sys.executable, "-c", AGENT_MAIN.format(repo=REPO), f"--nnodes={nn}",
                 f"--node-rank={node}", f"--nproc-per-node={c.nproc_per_node}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{c.port}",
+                f"--rdzv-backend={RDZV_BACKEND}", f"--rdzv-endpoint=127.0.0.1:{c.port}",
                 f"--rdzv-id={c.job_id}", f"--rdzv-conf={self._rdzv_conf()}",
                 f"--max-restarts={c.max_restarts}",
                 f"--monitor-interval={c.monitor_interval}",
@@ -192,9 +200,9 @@ class NodeLauncher(JobOutput):
         from reft_ext.cluster.supervisor import listen
 
         # bound here, not picked earlier and bound later (see free_port); on loopback
-        # only (TCPStore alone listens on every interface: supervisor.listen). torchrun's
-        # agents speak torch's own rendezvous protocol to it, so unlike the in-process
-        # supervisor's store its values cannot carry a tag: loopback is the protection.
+        # only (TCPStore alone listens on every interface: supervisor.listen). The agents'
+        # ``reft`` rendezvous seals what they keep in it with the job's secret and parses
+        # the state only as the state's own types: a local client can disturb, not steer.
         self.store = listen("127.0.0.1", self.cfg.port, multi_tenant=True,
                             wait_for_workers=False)
         self.cfg.port = self.store.port
