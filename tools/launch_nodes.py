@@ -361,11 +361,18 @@ def main(argv=None) -> int:
     what = "agents" if cfg.restart == "process" else "nodes (in-process restart)"
     print(f"job {cfg.job_id}: {cfg.nnodes} {what} x {cfg.nproc_per_node} ranks, "
           f"logs in {cfg.log_dir}", flush=True)
+    follower = None
+    if cfg.restart == "in-process":  # the ranks' logs on the terminal, as torchrun shows them
+        from tools.log_follow import LogFollower
+
+        follower = LogFollower(lambda: launcher.sup.logs).start()
     try:
         while not stop and launcher.running():
             time.sleep(0.2)
         codes = launcher.terminate(timeout=120) if stop else launcher.wait(timeout=1e9)
     finally:
+        if follower is not None:
+            follower.stop()
         launcher.close()
     for n in range(cfg.nnodes):
         print(f"node {n}: exit {codes.get(n)}, logs in {cfg.log_dir}")

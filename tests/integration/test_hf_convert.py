@@ -1,11 +1,14 @@
 """tools/convert_checkpoint.py against transformers itself: a checkpoint the trainer saved
 (PP 2, ZeRO-1, the shipped corpus, the byte-level tokenizer) becomes a directory that
 ``AutoModelForCausalLM``/``AutoTokenizer`` load, whose logits equal the trainer's forward
-on the same text and whose tokenizer gives the trainer's ids; a Hugging Face Llama goes to
-torch_dist and back bit for bit; the trainer fine-tunes from it at another TP/PP."""
+on the same text and whose tokenizer gives the trainer's ids (the newest checkpoint
+corrupted: the older one); a Hugging Face Llama goes to torch_dist and back bit for bit,
+with its own tokenizer; the trainer fine-tunes from it at another TP/PP, and refuses shape
+flags that differ from the model's by name."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -20,6 +23,7 @@ from tests.harness.run import ENV_PATH, REPO, torchrun
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
+CORPUS = os.path.join(REPO, "data", "pd_english.jsonl.gz")
 VERIFY = re.compile(r"max \|logit difference\| (\S+) .*loss trainer (\S+) \(vocabulary "
                     r"(\d+)\), transformers (\S+) \(vocabulary (\d+)\)")
 
@@ -44,10 +48,14 @@ def test_trained_checkpoint_loads_in_transformers_with_the_trainers_logits(tmp_p
                        "--use-distributed-optimizer", "--micro-batch-size", "4",
                        "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-3",
                        "--log-interval", "3", "--eval-interval", "1000", "--eval-iters", "0",
-                       "--save", str(tmp_path / "ckpt")])
+                       "--save", str(tmp_path / "ckpt"), "--save-interval", "3"])
     run.check()
+    newest = os.path.join(run.checkpoint, "iter_0000006")
+    shard = _flip_a_byte(newest)  # the newest refused, the older one converted
     out_dir = str(tmp_path / "hf")
     out = convert("--to", "hf", "--load", run.checkpoint, "--output", out_dir, "--verify")
+    assert f"checkpoint {newest} refused: {newest}/{shard}: SHA-256 differs" in out, out
+    assert f"converting {run.checkpoint}/iter_0000003 instead" in out, out
     diff, loss_trainer, loss_hf = verified(out)
     assert diff < 1e-4  # fp32 both sides: rounding only
     assert abs(loss_trainer - loss_hf) < 1e-5  # a trained model keeps its padded vocabulary
@@ -67,6 +75,17 @@ def test_trained_checkpoint_loads_in_transformers_with_the_trainers_logits(tmp_p
     assert (cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (2, False)
 
 
+def _flip_a_byte(ckpt_dir: str) -> str:
+    """One flipped bit in the first .distcp shard of a checkpoint; its name."""
+    shard = sorted(n for n in os.listdir(ckpt_dir) if n.endswith(".distcp"))[0]
+    with open(os.path.join(ckpt_dir, shard), "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 1]))
+    return shard
+
+
 def _random_hf_llama(path: str, tied: bool = False) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -80,6 +99,51 @@ def _random_hf_llama(path: str, tied: bool = False) -> None:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(path, safe_serialization=True)
+
+
+@pytest.mark.slow  # two conversions; the default tier: the fallback in the test above, the
+# SentencePiece export in tests/unit/test_hf_refusals.py
+def test_import_keeps_its_tokenizer_and_export_takes_the_newest_verified_checkpoint(tmp_path):
+    """A Hugging Face Llama with a SentencePiece tokenizer (the export of a
+    SentencePieceTokenizer job) imported, its checkpoint's newest iteration corrupted: the
+    export refuses that one, converts the older one, bit for bit, with the model's own
+    tokenizer (not the byte-level default), which transformers uses like the trainer."""
+    import shutil
+
+    import sentencepiece
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from megatron.training.hf_tokenizer import sentencepiece_tokenizer
+    from megatron.training.tokenizer import SentencePieceTokenizer
+
+    sp = str(tmp_path / "sp.model")
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        docs = [json.loads(line)["text"] for _, line in zip(range(80), f)]
+    with open(sp, "wb") as f:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(docs), model_writer=f, vocab_size=300, model_type="bpe",
+            minloglevel=2, max_sentence_length=1 << 16)
+    src, ckpt, back = (str(tmp_path / n) for n in ("src", "ckpt", "back"))
+    _random_hf_llama(src)  # vocabulary 300
+    sentencepiece_tokenizer(sp).save_pretrained(src)
+    convert("--to", "megatron", "--hf-model", src, "--save", ckpt)
+    # a newer iteration whose shard is corrupted, named by the tracker
+    newer = os.path.join(ckpt, "iter_0000003")
+    shutil.copytree(os.path.join(ckpt, "iter_0000000"), newer)
+    shard = _flip_a_byte(newer)
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    out = convert("--to", "hf", "--load", ckpt, "--output", back, "--verify")
+    assert f"checkpoint {newer} refused: {newer}/{shard}: SHA-256 differs" in out, out
+    assert f"converting {ckpt}/iter_0000000 instead" in out, out
+    assert "tokenizer HuggingFaceTokenizer" in out and verified(out)[0] < 1e-4, out
+    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (src, back))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    tok, mine = AutoTokenizer.from_pretrained(back), SentencePieceTokenizer(sp)
+    text = "And God said, Let there be light: and there was light."
+    assert tok(text)["input_ids"] == mine.tokenize(text) and tok.eos_token_id == mine.eod
+    assert tok.decode(mine.tokenize(text)) == text
 
 
 @pytest.mark.slow  # make test's 12 minutes; the default tier's round trip is the mapping's
@@ -127,6 +191,24 @@ def test_finetune_from_hugging_face_at_tp2_pp2_and_back(tmp_path):
              "--eval-iters", "0", "--use-distributed-optimizer", "--load", ckpt]
     refused = torchrun(1, model)
     assert refused.returncode != 0 and "add --finetune" in refused.output
+
+    def swap(flag, value):
+        out = list(model)
+        out[out.index(flag) + 1] = value
+        return out + ["--finetune"]
+    # shape flags that differ from the model's: one line naming the flag, no traceback
+    for flag, wrong, right in (("--rotary-base", "10000", "500000"),
+                               ("--num-query-groups", "4", "2")):
+        refused = torchrun(1, swap(flag, wrong))
+        assert refused.returncode != 0 and f"give {flag} {right}" in refused.output, \
+            refused.output[-3000:]
+        # (torchrun's agent prints its own ChildFailedError traceback; the rank: none)
+        assert "CheckpointException" not in refused.output and \
+            'checkpointing.py", line' not in refused.output, refused.output[-3000:]
+    # converted for TP 2 (300 -> 512 rows), loaded at TP 1 (384): the flag that fits
+    refused = torchrun(1, model + ["--finetune"])
+    assert refused.returncode != 0 and "add --make-vocab-size-divisible-by 256 or convert " \
+        "again with --target-tensor-parallel-size 1" in refused.output, refused.output[-3000:]
     run = torchrun(4, model + ["--tensor-model-parallel-size", "2",
                                "--pipeline-model-parallel-size", "2", "--finetune",
                                "--save", str(tmp_path / "tuned")])
