@@ -82,6 +82,11 @@ def _private_dirs(root: str, path: str) -> None:
     user's alone (an existing --save directory keeps the mode its owner gave it)."""
     if not os.path.isdir(root):
         os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.lstat(root)  # made meanwhile by someone else (the start checked its parent)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022 or not os.path.isdir(root):
+            raise CheckpointError(f"--save {root}: made by uid {st.st_uid} (mode "
+                                  f"{st.st_mode & 0o7777:04o}) after the start's check, not by "
+                                  f"this job: not written; remove it or choose another --save")
     os.makedirs(path, mode=0o700, exist_ok=True)
 
 
