@@ -1,7 +1,7 @@
 """Chaos campaign: random faults at random moments, each recovery checked bit for bit.
 
     python tools/chaos.py --seed 1 --faults 30 --layouts pp2dp2:arc dp4:aec \\
-        --out /tmp/chaos/results.json
+        --out runs/chaos/results.json
 
 For each layout (``LAYOUT:PROTECT``, LAYOUT a name of tests/harness/run.py's LAYOUTS) the
 job runs once failure-free (the reference: the same model, data and layout without REFT
@@ -47,12 +47,14 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # python tools/chaos.py: the repository's packages
     sys.path.insert(0, REPO)
 
+from reft_ext import safe_dir  # noqa: E402
 from reft_ext.report.progress import Progress  # noqa: E402
 from tests.harness.run import parse  # noqa: E402
 from tools.chaos_plan import (  # noqa: E402,F401 (the phase sets: tests read them here)
@@ -88,8 +90,9 @@ def run_campaign(opts, references: dict | None = None) -> tuple[dict, int]:
     """Plan, run, analyze, report. ``references``: (layout, iters) -> (RunResult, {iteration:
     logged loss}) computed elsewhere (a test's shared reference runs). Returns the
     JSON-able results and the exit code."""
-    work = opts.work_dir
-    os.makedirs(work, exist_ok=True)
+    work = opts.work_dir = opts.work_dir or tempfile.mkdtemp(prefix="chaos-")
+    # its checkpoints are loaded (--load) and its logs written: a directory of this user's
+    safe_dir.open_dir(work, create=True).close()
     plans = plan_campaign(opts)
     faults = [f for p in plans for f in p.faults]
     refs = dict(references or {})
@@ -172,8 +175,8 @@ def reanalyze(path: str, out: str = "") -> tuple[dict, int]:
         faults += fs
         key = (p.layout, p.train_iters)
         if key not in refs:
-            lines = _read_log(os.path.join(opts.work_dir,
-                                           f"reference-{p.layout}-{p.train_iters}.log"))
+            work = opts.work_dir or os.path.dirname(r["log"])  # (the runs' own)
+            lines = _read_log(os.path.join(work, f"reference-{p.layout}-{p.train_iters}.log"))
             res = parse("\n".join(line for _, line in lines), 0)
             refs[key] = (res, {it: v for _, it, v in iteration_losses(lines)})
         lines = _read_log(r["log"])
@@ -223,7 +226,9 @@ def parser() -> argparse.ArgumentParser:
                    help="--distributed-timeout-minutes: ends a hang the monitor missed")
     p.add_argument("--run-timeout", type=float, default=600.0,
                    help="seconds a job run may take before it counts as hung")
-    p.add_argument("--work-dir", default="/tmp/chaos/work")
+    p.add_argument("--work-dir", default="",
+                   help="logs and checkpoints of the runs, a directory only this user can "
+                        "write (default: a new private one in the temporary directory)")
     p.add_argument("--out", default="", help="JSON results file")
     p.add_argument("--keep", action="store_true", help="keep the runs' checkpoints")
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
