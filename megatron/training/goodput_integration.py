@@ -13,6 +13,7 @@ each change of what the rank is doing (thin call sites in training.py); every
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -35,6 +36,7 @@ class GoodputTracker:
         self.every = max(1, getattr(args, "reft_snapshot_every", 0) or 1)
         self.per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         self.report: dict | None = None  # the last exchange's (TensorBoard)
+        self.exchange_s, self.exchanges = 0.0, 0  # what detection costs this rank
 
     # ---- what the rank is doing -------------------------------------------------
     def switch(self, category: str) -> None:
@@ -105,20 +107,27 @@ class GoodputTracker:
         return rank // self.per_node if self.per_node > 0 else None
 
     def _exchange(self, it: int, writer) -> None:
-        rank = torch.distributed.get_rank()
+        rank, t0 = torch.distributed.get_rank(), time.perf_counter()
         rows = stragglers.exchange(self.clock.window())
+        self.exchange_s += time.perf_counter() - t0
+        self.exchanges += 1
         self.ledger.move(PRODUCTIVE, "straggler_wait", stragglers.waited(rows, rank))
         rep = self.detector.observe(rows, it)
+        if rank == 0:  # the job's exchange, for tools and benchmarks (no line)
+            events.record("straggler_exchange", iteration=it, slowest=rep["slowest"],
+                          ratio=rep["ratio"], busy_ms=[round(1000 * (r[0] + r[1]), 3)
+                                                       for r in rows])
         th = self.cfg.straggler_threshold
         for info in rep["named"]:
             text = stragglers.named_text(info, th, self._node(info["rank"]))
             if rank == 0:
-                events.emit("straggler", text, **info, node=self._node(info["rank"]))
+                events.emit("straggler", text, **info, node=self._node(info["rank"]),
+                            iteration=it)
         for info in rep["cleared"]:
             text = stragglers.cleared_text(info, th, self._node(info["rank"]))
             if rank == 0:
                 events.emit("straggler_cleared", text, **info,
-                            node=self._node(info["rank"]))
+                            node=self._node(info["rank"]), iteration=it)
         if writer is not None and rep["slowest"] is not None:
             writer.add_scalar("stragglers/slowest-ratio", rep["ratio"], it)
             writer.add_scalar("stragglers/slowest-rank", rep["slowest"], it)
@@ -139,7 +148,8 @@ class GoodputTracker:
         """Every rank: the final record; rank 0: the job's line (one all_gather_object,
         every rank is here)."""
         self.ledger.switch(self.ledger.current)
-        rec = self._record(state, final=True)
+        rec = self._record(state, final=True, exchange_s=self.exchange_s,
+                           exchanges=self.exchanges)
         every = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, rec)
         if torch.distributed.get_rank() == 0:

@@ -3,7 +3,7 @@ gradient sync and its optimizer step every iteration (:class:`PhaseClock`); ever
 ``--reft-straggler-interval`` iterations the ranks exchange the medians of the window
 (one all-gather of 6 numbers per rank: no collective in the other iterations), and
 :class:`Detector` names a rank whose compute time stays above ``--reft-straggler-threshold``
-times the job's median for ``--reft-straggler-window`` exchanges in a row, with what it
+times the median of the other ranks for ``--reft-straggler-window`` exchanges in a row, with what it
 costs the job (in a synchronous job every other rank waits for it in the gradient sync).
 
 Compute is the time from the start of the schedule to the gradient sync
@@ -129,17 +129,19 @@ class Detector:
                    cost_s=0.0, median_s=0.0, iteration_s=0.0)
         if len(busy) < 2:
             return out
-        median = statistics.median(busy.values())
         job_it = statistics.median(rows[r][0] + rows[r][1] + rows[r][2] for r in busy)
-        slowest = max(busy, key=busy.get)
-        out.update(slowest=slowest, ratio=busy[slowest] / median if median > 0 else 1.0,
-                   median_s=median, iteration_s=job_it,
-                   cost_s=max(0.0, busy[slowest] - median))
+        # each rank against the median of the others (with two ranks the median of all
+        # is their mean, which no rank can exceed twofold)
+        base = {r: statistics.median(v for q, v in busy.items() if q != r) for r in busy}
+        ratio = {r: busy[r] / base[r] if base[r] > 0 else 1.0 for r in busy}
+        slowest = max(busy, key=ratio.get)
+        out.update(slowest=slowest, ratio=ratio[slowest], median_s=base[slowest],
+                   iteration_s=job_it, cost_s=max(0.0, busy[slowest] - base[slowest]))
         for r, b in busy.items():
-            slow = median > 0 and b > self.threshold * median
+            slow = ratio[r] > self.threshold
             self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
-            info = dict(rank=r, ratio=b / median if median > 0 else 1.0, busy_s=b,
-                        median_s=median, cost_s=max(0.0, b - median), iteration_s=job_it,
+            info = dict(rank=r, ratio=ratio[r], busy_s=b, median_s=base[r],
+                        cost_s=max(0.0, b - base[r]), iteration_s=job_it,
                         exchanges=self.streak[r], iterations=self.streak[r] * self.interval,
                         since=iteration - self.streak[r] * self.interval + 1)
             if slow and self.streak[r] >= self.window and r not in self.named:
@@ -157,8 +159,8 @@ class Detector:
 def named_text(info: dict, threshold: float, node: int | None) -> str:
     where = f"rank {info['rank']}" + (f" (node {node})" if node is not None else "")
     per_hour = 3600.0 * info["cost_s"] / info["iteration_s"] if info["iteration_s"] else 0.0
-    return (f"straggler: {where} is {info['ratio']:.2f}x the median forward-backward + "
-            f"optimizer compute ({1000 * info['busy_s']:.1f} ms vs {1000 * info['median_s']:.1f}"
+    return (f"straggler: {where} is {info['ratio']:.2f}x the other ranks' median forward-"
+            f"backward + optimizer compute ({1000 * info['busy_s']:.1f} ms vs {1000 * info['median_s']:.1f}"
             f" ms) for {info['exchanges']} exchanges ({info['iterations']} iterations, since "
             f"iteration {info['since']}; threshold {threshold:g}x): it costs the job "
             f"{1000 * info['cost_s']:.1f} ms per iteration "
@@ -168,6 +170,6 @@ def named_text(info: dict, threshold: float, node: int | None) -> str:
 
 def cleared_text(info: dict, threshold: float, node: int | None) -> str:
     where = f"rank {info['rank']}" + (f" (node {node})" if node is not None else "")
-    return (f"straggler: {where} is back under {threshold:g}x the median "
+    return (f"straggler: {where} is back under {threshold:g}x the other ranks' median "
             f"({info['ratio']:.2f}x: {1000 * info['busy_s']:.1f} ms vs "
             f"{1000 * info['median_s']:.1f} ms)")

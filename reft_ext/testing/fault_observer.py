@@ -19,13 +19,14 @@ import sys
 import time
 
 from reft_ext.testing import fault_point, get_fault_observer, set_fault_observer
-from reft_ext.testing.fault_specs import (CORRUPT_MODES, CORRUPT_SEND, SPIKE_SCALE,
+from reft_ext.testing.fault_specs import (CORRUPT_MODES, CORRUPT_SEND, SLOW, SPIKE_SCALE,
                                          FaultSpec, attempt)
 
 # fault points that are requests to REFT's ReftFaults, not moments
 REFT_POINTS = ("node-loss", "corrupt")
 SHM_RESERVE = "shm-reserve"  # reft_ext/store/shm.py, before posix_fallocate
 LOAD_SEND = "load-send"  # reft_ext/load/received.py, a payload about to go to a peer
+SLOW_FACTOR = "slow-factor"  # reft_ext/cluster/stragglers.py, before each gradient sync
 
 
 def emit(msg: str) -> None:
@@ -78,13 +79,33 @@ class FaultObserver:
             return
         if point == LOAD_SEND:
             return self.damaged(iteration, **info) if self.flip_send else None
+        if point == SLOW_FACTOR:
+            return self.slow_factor(iteration)
         att = info.get("attempt")
         att = attempt() if att is None else att
         for spec in self.specs:
             if spec.phase == point and spec.iteration == iteration and \
-                    spec.attempt == att and spec not in self.fired:
+                    spec.attempt == att and spec not in self.fired and spec.mode != SLOW:
                 self.fired.add(spec)
                 self.fire(spec)
+
+    def slow_factor(self, iteration) -> float | None:
+        """Mode ``slow``: the factor of a spec whose ITER is reached (any attempt: a slow
+        node stays slow), its ``[FAULT]`` line and event the first time."""
+        for spec in self.specs:
+            if spec.mode == SLOW and iteration is not None and iteration >= spec.iteration:
+                if spec not in self.fired:
+                    self.fired.add(spec)
+                    emit(f"[FAULT] slowing rank {spec.rank} (pid {os.getpid()}) "
+                         f"{spec.factor:g}x from iteration {iteration}: a sleep of "
+                         f"{spec.factor - 1:g}x its forward-backward compute before each "
+                         f"gradient sync")
+                    from reft_ext.report.events import record
+
+                    record("fault", iteration=iteration, phase="step", signal=None,
+                           mode=SLOW, factor=spec.factor)
+                return spec.factor
+        return None
 
     def damaged(self, iteration, payload, what: str, to: int):
         """A copy of ``payload`` with its middle byte flipped (``corrupt-send``)."""

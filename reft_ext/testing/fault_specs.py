@@ -87,6 +87,12 @@ MODE:
   attempt (ITER the iteration being restored), e.g. ``0:4:CONT:corrupt-send:1@load-read``.
   The receiver must catch it (reft_ext/load/received.py).
 
+* ``slow``: no signal (SIGNAL is ignored; write ``CONT``), and the fifth field is a
+  factor F, not ATTEMPT (``RANK:ITER:CONT:slow:F``, F > 1, default 2): from iteration
+  ITER on, on every attempt, the rank sleeps F - 1 times its forward-backward compute
+  before each gradient sync, a straggler that is F times slower
+  (reft_ext/cluster/stragglers.py; its ``[FAULT]`` line comes once, at ITER).
+
 With SIGNAL ``CONT`` (a signal that does not stop the process) a corrupt mode only
 corrupts: the rank trains on, and the damage lies in host memory until a later
 recovery reads it (two corruptions on two ranks, one kill: no race between them).
@@ -106,7 +112,8 @@ from dataclasses import dataclass
 
 CORRUPT_MODES = ("corrupt", "corrupt-replica", "corrupt-manifest", "corrupt-committed")
 CORRUPT_SEND = "corrupt-send"  # a payload of REFT-load flipped on its way (no signal)
-MODES = ("", "node", "snapshot", "shm-full", CORRUPT_SEND, *CORRUPT_MODES)
+SLOW = "slow"  # a straggler: the fifth field is its factor (not an attempt)
+MODES = ("", "node", "snapshot", "shm-full", CORRUPT_SEND, SLOW, *CORRUPT_MODES)
 
 # the moments, in the order of an iteration (docstring above)
 SEAM_PHASES = ("forward", "backward", "send", "recv")  # through megatron-core's timers
@@ -130,6 +137,7 @@ class FaultSpec:
     mode: str = ""
     attempt: int = 0
     phase: str = DEFAULT_PHASE
+    factor: float = 0.0  # mode slow: how many times slower
 
     def __str__(self) -> str:
         return format_fault_spec(self)
@@ -158,6 +166,18 @@ def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
         raise _err(f"expected {GRAMMAR}, got {spec!r}")
     mode = parts[3] if len(parts) >= 4 else ""
     attempt = parts[4] if len(parts) == 5 else "0"
+    factor = 0.0
+    if mode == SLOW:  # RANK:ITER:CONT:slow[:F]
+        try:
+            factor = float(parts[4]) if len(parts) == 5 else 2.0
+        except ValueError:
+            raise _err(f"slow's factor F must be a number > 1, got {parts[4]!r}") from None
+        if not 1.0 < factor <= 1000.0:
+            raise _err(f"slow's factor F must be > 1 (and at most 1000), got {factor:g}")
+        if at:
+            raise _err(f"mode slow has no phase (it slows every iteration from ITER on): "
+                       f"drop @{phase} in {spec!r}")
+        attempt = "0"
     if not attempt.isdigit():
         raise _err(f"ATTEMPT must be an integer, got {attempt!r}")
     if mode not in MODES:
@@ -190,7 +210,7 @@ def parse_fault_spec(spec: str, world_size: int | None = None) -> FaultSpec:
                    f"{'' if lowest == 0 else ' (0 only with @' + '/@'.join(START_PHASES) + ')'}"
                    f", got {iteration}")
     return FaultSpec(rank, iteration, int(sig), "" if mode == "snapshot" else mode,
-                     int(attempt), phase)
+                     int(attempt), phase, factor)
 
 
 def parse_fault_specs(text: str, world_size: int | None = None) -> list[FaultSpec]:
@@ -199,6 +219,8 @@ def parse_fault_specs(text: str, world_size: int | None = None) -> list[FaultSpe
 
 def format_fault_spec(spec: FaultSpec) -> str:
     """The spec as ``--inject-fault`` reads it back (``parse_fault_spec`` round trip)."""
+    if spec.mode == SLOW:
+        return f"{spec.rank}:{spec.iteration}:CONT:{SLOW}:{spec.factor:g}"
     out = f"{spec.rank}:{spec.iteration}:{signal.Signals(spec.signal).name}:{spec.mode}" \
           f":{spec.attempt}"
     return out if spec.phase == DEFAULT_PHASE else f"{out}@{spec.phase}"

@@ -120,10 +120,13 @@ def test_a_rank_slow_for_the_window_is_named_then_cleared():
     info = rep["named"][0]
     assert info["ratio"] == pytest.approx(2.0) and info["cost_s"] == pytest.approx(0.1)
     assert info["since"] == 1 and info["iterations"] == 15
-    assert "rank 2 (node 1) is 2.00x the median" in named_text(info, 1.5, 1)
+    assert "rank 2 (node 1) is 2.00x the other ranks" in named_text(info, 1.5, 1)
     assert det.observe(_rows([0.1, 0.1, 0.2, 0.1]), 20)["named"] == []  # said once
     rep = det.observe(_rows([0.1, 0.1, 0.1, 0.1]), 25)
     assert [i["rank"] for i in rep["cleared"]] == [2] and not det.named
+    # two ranks: each is judged against the other (their median would be their mean)
+    two = Detector(threshold=1.5, window=1, interval=5).observe(_rows([0.1, 0.3]), 5)
+    assert [i["rank"] for i in two["named"]] == [1] and two["ratio"] == pytest.approx(3.0)
     # one slow window between fast ones is not persistent
     det = Detector(threshold=1.5, window=2, interval=5)
     for it, busy in ((5, [0.1, 0.3]), (10, [0.1, 0.1]), (15, [0.1, 0.3])):
