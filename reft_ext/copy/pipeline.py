@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -105,6 +106,18 @@ class RegionPipeline:
         return sum(x["bytes"] for x in s) / sum(x["seconds"] * x["threads"] for x in s)
 
 
+def fixed_threads() -> int:
+    """REFT_COPY_THREADS (a positive int) or 0 (chosen per call); a bad value is an error
+    that names the variable."""
+    raw = os.environ.get("REFT_COPY_THREADS", "").strip()
+    if raw in ("", "0"):
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"REFT_COPY_THREADS={raw!r}: give a positive number of copy-and-hash "
+                         f"threads, or 0 / unset to choose them from the bytes and the window")
+    return int(raw)
+
+
 def available(device_sources: bool) -> bool:
     """The native pipeline can serve these sources (device ones need the CUDA part)."""
     if _native.C is None or not hasattr(_native.C, "copy_hash"):
@@ -124,10 +137,14 @@ class Pipelines:
         self.nbytes, self.cap, self.cap_beside = int(nbytes), int(cap), int(cap_beside)
         self.window, self.stager = window, stager
         self.rate = DEFAULT_RATE
+        self.fixed = fixed_threads()
 
     def threads(self, how: str) -> int:
         """All this rank's share of the cores when training waits (inline, the drain);
-        beside compute the fewest that finish the whole snapshot inside the window."""
+        beside compute the fewest that finish the whole snapshot inside the window.
+        REFT_COPY_THREADS=N fixes it (benchmarks: tools/gpu_lease.sh compares two N)."""
+        if self.fixed:
+            return self.fixed
         if how not in ("compute", "bubble"):
             return self.cap
         return choose_threads(self.nbytes, self.window(), self.rate, self.cap_beside)

@@ -167,3 +167,17 @@ def test_has_worker_runs_a_regions_units_in_groups():
     assert batch.digests["own"] == {i: 1000 + i for i in range(10)}
     assert batch.digests["redundancy"] == {0: 7}
     assert all(len(ix) > 1 for _, ix in calls) and len(calls) < 10
+
+
+def test_copy_threads_fixed_by_the_environment(monkeypatch):
+    from reft_ext.copy.pipeline import Pipelines  # noqa: PLC0415
+
+    monkeypatch.setenv("REFT_COPY_THREADS", "3")
+    p = Pipelines(1 << 30, cap=8, cap_beside=2, window=lambda: 10.0)
+    assert p.threads("drain") == 3 and p.threads("compute") == 3
+    monkeypatch.setenv("REFT_COPY_THREADS", "0")
+    p = Pipelines(1 << 30, cap=8, cap_beside=2, window=lambda: 10.0)
+    assert p.threads("drain") == 8 and p.threads("compute") == 1
+    monkeypatch.setenv("REFT_COPY_THREADS", "four")
+    with pytest.raises(ValueError, match="REFT_COPY_THREADS='four'"):
+        Pipelines(1 << 30, cap=8, cap_beside=2, window=lambda: 10.0)
