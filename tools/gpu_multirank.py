@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,13 +92,13 @@ def run_case(case: str, out: str, device: str, timeout: float) -> tuple[str, str
             L.replace_node(lost)
         codes = L.wait(timeout)
     except (TimeoutError, RuntimeError) as exc:
-        L.close()
         return "FAILED", f"{type(exc).__name__}: {str(exc)[-300:]}"
-    finally:
+    finally:  # nothing of the case outlives it (agents, workers, watchers, /dev/shm)
+        text = L.outputs()
+        L.close()
         L.cleanup_shm()
-    text = L.outputs()
-    with open(os.path.join(out, case, "output.log"), "w") as f:
-        f.write(text)
+        with open(os.path.join(out, case, "output.log"), "w") as f:
+            f.write(text)
     secs = time.time() - t0
     if any(c != 0 for c in codes.values()) and lost is None:
         return "FAILED", f"exit codes {codes} ({secs:.0f} s)"
@@ -142,6 +143,8 @@ def main(argv=None) -> int:
             print("gpu_multirank: no CUDA device here (use --device cpu for the CPU twin)",
                   file=sys.stderr)
             return 2
+    # gpu_lease.sh's time limit (SIGTERM): the running case's launcher is closed first
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     rows, ok = [], True
     for c in cases:
         verdict, detail = run_case(c, out, a.device, a.timeout)
