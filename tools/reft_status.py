@@ -6,7 +6,10 @@
 
 One row per node: its ranks, its state (HEALTHY, SNAP, COMPLETED, UNHEALTHY, OFFLINE,
 FINISHED), the last iteration whose snapshot it completed, how long ago it was updated,
-whether its watcher runs, and the detail of the last transition.
+whether its watcher runs, and the detail of the last transition. With the job's events
+file (``--events``, default ``$REFT_EVENTS_FILE``): its goodput, each category of every
+rank's wall time added up across the job's attempts, and the planner's prediction for the
+job's own failure rate and costs (docs/operations.md "Goodput").
 """
 
 from __future__ import annotations
@@ -50,7 +53,11 @@ def main(argv=None) -> int:
                    "default: all")
     p.add_argument("--shm-dir", default="/dev/shm", help="= --reft-shm-dir")
     p.add_argument("--json", action="store_true", help="the raw records as JSON")
+    p.add_argument("--events", default=os.environ.get("REFT_EVENTS_FILE", ""),
+                   help="the job's events file (REFT_EVENTS_FILE): its goodput too")
     a = p.parse_args(argv)
+    if a.events:
+        return _goodput(a)
     if not os.path.isdir(a.shm_dir):
         p.error(f"--shm-dir: {a.shm_dir!r} is not a directory")
     if a.job:  # as the job named its files (an id with other characters keeps a hash)
@@ -64,6 +71,27 @@ def main(argv=None) -> int:
         print(json.dumps({j: status.read_job(a.shm_dir, j) for j in jobs}, indent=1))
     else:
         print("\n\n".join(table(a.shm_dir, j) for j in jobs) or f"no REFT jobs in {a.shm_dir}")
+    return 0
+
+
+def _goodput(a) -> int:
+    """The node table if the job's status files are here, and the goodput of the events."""
+    from reft_ext.plan import measured_goodput as goodput_view
+    from reft_ext.report import goodput
+
+    try:
+        evs = goodput_view.read_own(a.events)
+    except (OSError, ValueError) as exc:
+        print(f"--events: cannot read {a.events!r}: {exc}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps({run: goodput.job_totals(list(ranks.values()))
+                          for run, ranks in goodput.latest(evs).items()}, indent=1))
+        return 0
+    jobs = [a.job] if a.job else status.jobs(a.shm_dir)
+    nodes = [table(a.shm_dir, j) for j in jobs if status.read_job(a.shm_dir, j)]
+    text = goodput_view.status_text(evs, time.time())
+    print("\n\n".join([*nodes, text or f"no goodput records in {a.events}"]))
     return 0
 
 

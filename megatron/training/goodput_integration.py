@@ -1,5 +1,6 @@
 """The trainer's side of goodput accounting and straggler detection (the library parts:
-reft_ext/report/goodput.py, goodput_view.py, reft_ext/cluster/stragglers.py).
+reft_ext/report/goodput.py, reft_ext/plan/measured_goodput.py,
+reft_ext/cluster/stragglers.py).
 
 ``Trainer.goodput`` is one :class:`GoodputTracker` per process: it lives across
 in-process restarts (the trainer object does), and a new process of the same run goes on
@@ -19,7 +20,8 @@ import torch
 
 from reft_ext.cluster import stragglers
 from reft_ext.cluster.straggler_config import StragglerConfig
-from reft_ext.report import events, goodput, goodput_view
+from reft_ext.plan import measured_goodput as goodput_view
+from reft_ext.report import events, goodput
 from reft_ext.report.goodput import PRODUCTIVE, Ledger
 
 

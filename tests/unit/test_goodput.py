@@ -1,7 +1,8 @@
-"""Goodput accounting (reft_ext/report/goodput.py, goodput_view.py), straggler detection
-(reft_ext/cluster/stragglers.py, straggler_config.py) and the slow fault's grammar, as
-units: the ledger's books always balance, a failure's time lands in its categories, a
-restarted process goes on from its rank's record, a persistently slow rank is named."""
+"""Goodput accounting (reft_ext/report/goodput.py, reft_ext/plan/measured_goodput.py),
+straggler detection (reft_ext/cluster/stragglers.py, straggler_config.py) and the slow
+fault's grammar, as units: the ledger's books always balance, a failure's time lands in
+its categories, a restarted process goes on from its rank's record, a persistently slow
+rank is named."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from reft_ext.cluster.straggler_config import StragglerConfig
 from reft_ext.cluster.stragglers import Detector, named_text, waited
 from reft_ext.config import ReftConfigError
-from reft_ext.report import goodput, goodput_view
+from reft_ext.plan import measured_goodput as goodput_view
+from reft_ext.report import goodput
 from reft_ext.report.goodput import CATEGORIES, Ledger
 from reft_ext.testing.fault_specs import FaultSpecError, parse_fault_spec
 from reft_ext.testing.fault_observer import FaultObserver
@@ -169,3 +171,26 @@ def test_the_slow_fault_parses_and_fires_once_from_its_iteration(capsys):
     assert obs("slow-factor", iteration=5) == 2.5 and obs("slow-factor", iteration=9) == 2.5
     out = capsys.readouterr().out
     assert out.count("[FAULT] slowing rank 1") == 1 and "injecting" not in out
+
+
+def test_the_status_tool_shows_a_jobs_goodput_from_its_own_events_file(tmp_path, capsys):
+    from tools import reft_status
+
+    led = Ledger(time.time() - 3.0)
+    _iterations(led, 1, 6, snap=0.001)
+    path = tmp_path / "events.jsonl"
+    recs = [{"event": goodput.EVENT, "rank": r, "time": time.time(), "run": "r7",
+             **led.record(iteration=6, final=r == 0)} for r in (0, 1)]
+    path.write_text("".join(json.dumps(e) + "\n" for e in recs))
+    path.chmod(0o600)
+    assert reft_status.main(["--events", str(path), "--shm-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "goodput of run r7 (running: newest record" in out and "iteration 6)" in out
+    assert "straggler wait" in out and "wall time" in out and "planner:" in out
+    assert reft_status.main(["--events", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["r7"]["iterations"] == 6
+    import os
+
+    os.chown(path, 65534, 65534)  # another user's file: its figures are not shown
+    assert reft_status.main(["--events", str(path), "--shm-dir", str(tmp_path)]) == 1
+    assert "--events: cannot read" in capsys.readouterr().err

@@ -92,3 +92,41 @@ def table(t: dict, snapshot_every: int = 1) -> str:
                    f"recovery, {p['snapshot_ms']:.2f} ms snapshot blocking per "
                    f"{p['interval_s']:.3f} s; measured {100 * m['modelled']:.2f}% of the same")
     return "\n".join(out)
+
+
+def read_own(path: str) -> list[dict]:
+    """The events of ``path`` (a job's ``$REFT_EVENTS_FILE``), opened without following a
+    link and read only if this user's own: figures another user could plant are not
+    shown as the job's. OSError/ValueError with a line naming the file otherwise."""
+    import json
+    import os
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid():
+            raise ValueError(f"{path} belongs to uid {st.st_uid}, not to this user: not read")
+        out = []
+        for raw in f:
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                continue  # a line a killed process left half-written
+        return out
+
+
+def status_text(events: list[dict], now: float) -> str:
+    """tools/reft_status.py's goodput section: one table per run in the events."""
+    from reft_ext.report.goodput import job_totals, latest
+
+    parts = []
+    for run, ranks in latest(events).items():
+        recs = list(ranks.values())
+        done = all(r.get("final") for r in recs)
+        age = now - max(r.get("time", now) for r in recs)
+        every = max((int(r.get("snapshot_every", 1)) for r in recs), default=1)
+        state = "finished" if done else f"running: newest record {age:.1f} s old"
+        parts.append(f"goodput of run {run} ({state}; iteration "
+                     f"{max(int(r.get('iteration') or 0) for r in recs)})\n" +
+                     table(job_totals(recs), every))
+    return "\n\n".join(parts)
