@@ -30,7 +30,8 @@ install: $(STAMP)
 # on the shipped public-domain corpus, checkpoints every 100 iterations, and REFT: a
 # snapshot of every rank's state in host memory every iteration, protected by ARC
 # replicas (parameters) and AOR (the ZeRO-1 optimizer shards), each rank its own
-# failure domain ("node"). torchrun may restart the workers 3 times.
+# failure domain ("node"). torchrun may restart the workers 3 times; its agent runs with
+# the reft rendezvous (store on 127.0.0.1, no pickle from it: docs/security.md).
 JOB_ARGS = --model-size tiny --pipeline-model-parallel-size 2 --use-distributed-optimizer \
 	--micro-batch-size 4 --global-batch-size 32 --train-iters 300 \
 	--lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
@@ -40,7 +41,7 @@ JOB_ARGS = --model-size tiny --pipeline-model-parallel-size 2 --use-distributed-
 
 run: install
 	mkdir -p $(RUN_DIR)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) --max-restarts 3 \
+	$(PY) -m reft_ext.cluster.torchrun --standalone --nproc-per-node $(NPROC) --max-restarts 3 \
 	    pretrain_llama.py $(JOB_ARGS) \
 	    --save $(RUN_DIR)/checkpoints --load $(RUN_DIR)/checkpoints \
 	    --tensorboard-dir $(RUN_DIR)/tensorboard $(ARGS) 2>&1 | tee $(RUN_DIR)/train.log

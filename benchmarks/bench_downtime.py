@@ -47,6 +47,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from reft_ext.report.events import read as read_events  # noqa: E402
+from reft_ext.report.files import open_nofollow  # noqa: E402
 from reft_ext.report.progress import Progress  # noqa: E402
 from tools.inprocess_launcher import InProcessLauncher  # noqa: E402
 from tools.launch_nodes import LaunchConfig  # noqa: E402
@@ -77,7 +78,7 @@ def run_process(args: list[str], events: str, tmp: str) -> None:
            "--nproc-per-node=4", "--max-restarts=1", os.path.join(REPO, "pretrain_llama.py"),
            *args]
     log = os.path.join(tmp, "torchrun.log")
-    with open(log, "w") as f:
+    with open_nofollow(log) as f:
         rc = subprocess.call(cmd, cwd=REPO, env=_env(events), stdout=f,
                              stderr=subprocess.STDOUT, timeout=900)
     if rc:
@@ -165,7 +166,7 @@ def main() -> None:
                 args, fault = SCENARIOS[name]
                 for mode in modes:
                     events = os.path.join(tmp, f"{name}-{rep}-{len(mode)}.jsonl")
-                    open(events, "w").close()
+                    open_nofollow(events).close()
                     job = [*args, "--inject-fault", fault]
                     if mode in SLURM_MODES:
                         slurm.run(name, mode, events, tmp)

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reft_ext.cluster.health import run_health_check  # noqa: E402
 from reft_ext.cluster.heartbeat import Heartbeat  # noqa: E402
+from reft_ext.report.files import open_nofollow  # noqa: E402
 
 
 def _worker(rank, world, store, out, size):
@@ -36,7 +37,7 @@ def _worker(rank, world, store, out, size):
     r = run_health_check(rank, world, 1, matmul_size=size)
     if not r.ok:
         raise SystemExit(f"rank {rank}: the health check failed: {r.lines()}")
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open_nofollow(os.path.join(out, f"rank{rank}.json")) as f:
         json.dump({"ms": 1000 * r.seconds, "matmul": max(r.matmul_ms.values()),
                    "allgather": max(r.allgather_ms.values(), default=0.0)}, f)
     torch.distributed.destroy_process_group()

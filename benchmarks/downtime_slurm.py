@@ -21,6 +21,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from reft_ext.report.files import open_nofollow  # noqa: E402
 from tools import local_slurm  # noqa: E402
 
 MODES = ("slurm torchrun", "slurm in-process")
@@ -60,7 +61,7 @@ class Cluster:
             env["EXTRA_ARGS"] = "--inject-fault 1:5"
         else:
             def lose(job_id):
-                with open(events, "a") as f:  # the fault's moment, as the trainer's are
+                with open_nofollow(events, "a") as f:  # the fault's moment, as the trainer's are
                     f.write(json.dumps({"event": "fault", "time": time.time(),
                                         "rank": 1}) + "\n")
                 local_slurm.lose_node(job_id, local_slurm.node_name(2),

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from reft_ext.report.files import open_nofollow
 from tools.chaos_plan import KINDS, WALL_CLOCK, Fault, RunPlan, available_phases
 
 # ---- the report ------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def finish(opts, runs: list, faults: list) -> tuple[dict, int]:
                           for f in faults]}
     if opts.out:
         os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-        with open(opts.out, "w") as fh:
+        with open_nofollow(opts.out) as fh:  # never through a planted link
             json.dump(results, fh, indent=1)
         print(f"results: {opts.out}")
     return results, 1 if bad else 0

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from reft_ext.report import events as ev
+from reft_ext.report.files import open_nofollow
 from reft_ext.store import paths
 from tests.harness.run import LAYOUTS, TINY, parse
 from tools.chaos_plan import Fault, RunPlan
@@ -162,7 +163,7 @@ def run_job(args: list[str], *, max_restarts: int, timeout: float, log_path: str
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     env.pop("REFT_NODE_GENERATION", None)
     events_path = log_path + ".events.jsonl"
-    open(events_path, "w").close()
+    open_nofollow(events_path).close()  # never through a planted link
     env[ev.ENV] = events_path
     if watcher_fault:
         env["REFT_WATCHER_FAULT"] = watcher_fault
@@ -183,7 +184,7 @@ def run_job(args: list[str], *, max_restarts: int, timeout: float, log_path: str
             on_fault()
 
     def read() -> None:
-        with open(log_path, "w") as log:
+        with open_nofollow(log_path) as log:
             for line in proc.stdout:
                 now = time.time()
                 line = line.rstrip("\n")

@@ -35,18 +35,21 @@ HASH = re.compile(r"\[HASH\] rank (\d+) iteration (\d+) state ([0-9a-f]+)")
 
 
 def run(args, trainer_args) -> list[tuple[float, str]]:
+    from reft_ext.report.files import open_nofollow
+
     ckpt = os.path.join(args.run_dir, "checkpoints")
     # the digest times the first committed snapshot after each recovery: it needs every
     # snapshot's line, not one per --log-interval
     each = [] if "--reft-log-every-snapshot" in trainer_args else ["--reft-log-every-snapshot"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # torchrun with the reft rendezvous: its store on 127.0.0.1, no pickle from it
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            f"--nproc-per-node={args.nproc}", f"--max-restarts={args.max_restarts}",
            os.path.join(REPO, "pretrain_llama.py"), *trainer_args, *each,
            "--save", ckpt, "--load", ckpt]
-    print("$ " + " ".join(cmd[2:]), flush=True)
+    print("$ python -m " + " ".join(cmd[2:]), flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     lines = []
-    with open(os.path.join(args.run_dir, "train.log"), "w") as log, subprocess.Popen(
+    with open_nofollow(os.path.join(args.run_dir, "train.log")) as log, subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True) as proc:
         for line in proc.stdout:

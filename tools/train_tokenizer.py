@@ -34,6 +34,7 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:  # runnable as a script from anywhere
     sys.path.insert(0, _REPO_ROOT)
 
+from reft_ext.report.files import open_nofollow  # noqa: E402
 from reft_ext.report.progress import Progress  # noqa: E402
 
 DEFAULT_INPUT = os.path.join(_REPO_ROOT, "data", "pd_english.jsonl.gz")
@@ -120,7 +121,7 @@ def save_tokenizer_dir(tok, output: str) -> List[str]:
              ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")]
     tok.save(files[0])
     for path, doc in ((files[1], config), (files[2], specials)):
-        with open(path, "w", encoding="utf-8") as f:
+        with open_nofollow(path, encoding="utf-8") as f:  # never through a planted link
             json.dump(doc, f, indent=2)
             f.write("\n")
     return files

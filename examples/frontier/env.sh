@@ -77,10 +77,12 @@ export FI_CXI_RX_MATCH_MODE=${FI_CXI_RX_MATCH_MODE:-hybrid}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # MIOpen (ROCm's DNN library) keeps tuned kernels in a SQLite database and a compiled-
 # kernel cache under $HOME by default: hundreds of ranks locking one file on a shared
-# filesystem fail or hang. Node-local /tmp per job (launch_node.sh creates it on every
-# node and its clean-up step removes it).
-export MIOPEN_USER_DB_PATH=${MIOPEN_USER_DB_PATH:-/tmp/miopen-${USER:-$(id -un)}-${SLURM_JOB_ID:-build}}
-export MIOPEN_CUSTOM_CACHE_DIR=${MIOPEN_CUSTOM_CACHE_DIR:-$MIOPEN_USER_DB_PATH}
+# filesystem fail or hang. A node-local private directory per job instead: launch_node.sh
+# makes one on every node (mktemp -d in node-local ${TMPDIR:-/tmp}: 0700, a fresh
+# unpredictable name, so none made first by another user is ever used), points both
+# variables at it and removes it when the node's task ends. Set MIOPEN_USER_DB_PATH
+# yourself to keep the cache elsewhere (it must be a directory of your own).
+export REFT_MIOPEN_NODE_CACHE=${REFT_MIOPEN_NODE_CACHE:-1}
 # 56 of a node's 64 cores are usable (8 are kept for the system), 7 per rank: data
 # loading, REFT's host copies and AOR's Adam replay of a peer's shard run on them
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-7}

@@ -9,7 +9,7 @@
 # NNODES_MIN, NNODES_MAX, NPROC_PER_NODE, MAX_RESTARTS, LOG_DIR, PYTHON, RDZV_CONF) and
 # Slurm's per-task variables (SLURM_JOB_ID, SLURM_NODEID, SLURMD_NODENAME).
 #
-# Ranks: with the c10d rendezvous torchrun ignores --node-rank. Agents are ordered by
+# Ranks: with the dynamic rendezvous torchrun ignores --node-rank. Agents are ordered by
 # (address, pid), so a node's ranks follow its --local-addr (its Slurm node name), and
 # REFT's failure domain of a rank is rank // NPROC_PER_NODE (--reft-ranks-per-node
 # defaults to torchrun's LOCAL_WORLD_SIZE = NPROC_PER_NODE).
@@ -45,9 +45,6 @@ if [[ ${1:-} == --cleanup ]]; then
         rm -rf -- "${left[@]}"
         say "removed ${#left[@]} REFT shared-memory entries of job $job from $shm_dir"
     fi
-    for d in "${MIOPEN_USER_DB_PATH:-}" "${MIOPEN_CUSTOM_CACHE_DIR:-}"; do
-        [[ $d == /tmp/*$job* ]] && rm -rf -- "$d"  # the job's own node-local caches only
-    done
     exit 0
 fi
 
@@ -68,12 +65,15 @@ if [[ ${RESTART:-torchrun} == in-process ]]; then
     launcher="in-process node agent: $workers warm worker(s), $NPROC_PER_NODE ranks per node"
 else
 # is_host=false: every agent is a client of the store that reft_job.sh runs on the batch
-# host (an agent must never host it, or its death would end the rendezvous).
+# host (an agent must never host it, or its death would end the rendezvous). The reft
+# backend: torch's dynamic rendezvous with the state sealed by REFT_RDZV_SECRET (which
+# reft_job.sh exports) and never unpickled unless sealed (reft_ext/cluster/rendezvous.py).
 rdzv_conf="is_host=false${RDZV_CONF:+,$RDZV_CONF}"
-cmd=("$python" -m torch.distributed.run
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+cmd=("$python" -m reft_ext.cluster.torchrun
      --nnodes="$NNODES_MIN:$NNODES_MAX"
      --nproc-per-node="$NPROC_PER_NODE"
-     --rdzv-backend=c10d
+     --rdzv-backend=reft
      --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT"
      --rdzv-id="$job"  # = TORCHELASTIC_RUN_ID = REFT's job id (names /dev/shm/reft-<job>-*)
      --rdzv-conf="$rdzv_conf"
@@ -86,7 +86,7 @@ launcher+=" $RDZV_HOST:$RDZV_PORT, restarts $MAX_RESTARTS"
 fi
 
 if [[ ${DRY_RUN:-0} == 1 ]]; then
-    n_launcher=$(( ${#cmd[@]} - $# ))  # python -m torch.distributed.run ... script
+    n_launcher=$(( ${#cmd[@]} - $# ))  # python -m reft_ext.cluster.torchrun ... script
     printf '[launch] dry run: %s:' "${what// /_}"
     printf ' %q' "${cmd[@]:0:n_launcher}"; echo
     printf '[launch] dry run: trainer:'; printf ' %q' "$@"; echo
@@ -101,10 +101,25 @@ fi
 mkdir -p "$LOG_DIR"
 node_log=$LOG_DIR/node$node_id-$node_name.log
 # MIOpen (ROCm) keeps a SQLite database of tuned kernels: on a shared filesystem hundreds
-# of ranks lock it against each other, so env.sh points it at node-local /tmp, created here
-# on every node (the batch script runs on the first node only).
+# of ranks lock it against each other, so env.sh asks for a node-local one, made here on
+# every node (the batch script runs on the first node only): mktemp -d, 0700 and of an
+# unpredictable name in node-local /tmp, never a fixed name another user could make first
+# (whoever owns MIOpen's cache chooses the kernels the job runs). Removed when this ends.
+miopen_tmp=""
+if [[ ${REFT_MIOPEN_NODE_CACHE:-0} == 1 && -z ${MIOPEN_USER_DB_PATH:-} ]]; then
+    miopen_tmp=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$job-XXXXXXXX") ||
+        { say "cannot make a private MIOpen cache in ${TMPDIR:-/tmp}"; exit 1; }
+    export MIOPEN_USER_DB_PATH=$miopen_tmp MIOPEN_CUSTOM_CACHE_DIR=$miopen_tmp
+fi
 for d in "${MIOPEN_USER_DB_PATH:-}" "${MIOPEN_CUSTOM_CACHE_DIR:-}"; do
-    [[ -n $d ]] && mkdir -p "$d"
+    [[ -z $d ]] && continue
+    mkdir -p -m 700 "$d"
+    # one the user named: theirs, not a link, not writable by others, or not used
+    if [[ -L $d || ! -O $d ]] || [[ -n $(find "$d" -maxdepth 0 -perm /022) ]]; then
+        say "MIOpen cache $d is a link, another user's or writable by others: set" \
+            "MIOPEN_USER_DB_PATH to a directory of your own"
+        exit 1
+    fi
 done
 
 say "$launcher; log $node_log"
@@ -129,6 +144,7 @@ while kill -0 "$agent" 2>/dev/null; do  # wait returns early when the trap ran
     wait "$agent" || rc=$?
 done
 trap - TERM
+[[ -n $miopen_tmp ]] && rm -rf -- "$miopen_tmp"  # this node's private MIOpen cache
 wait_for_watchers
 say "$what exited with status $rc"
 exit "$rc"

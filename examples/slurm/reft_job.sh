@@ -116,7 +116,8 @@ reft_job_setup() {
 _reft_start_store() {
     local ready=$LOG_DIR/rdzv-store.$SLURM_JOB_ID.ready
     rm -f "$ready"
-    "$PYTHON" "$REPO/examples/slurm/rdzv_store.py" --port "$RDZV_PORT" --ready-file "$ready" \
+    "$PYTHON" "$REPO/examples/slurm/rdzv_store.py" --host "$RDZV_HOST" --port "$RDZV_PORT" \
+        --ready-file "$ready" \
         >"$LOG_DIR/rdzv-store.log" 2>&1 &
     REFT_STORE_PID=$!
     local waited=0
@@ -201,6 +202,11 @@ reft_job_run() {
         echo "[reft_job] srun exited with $rc, the coordinator with $crc"
         rc=$crc
     else
+        # the agents' rendezvous key: they seal the rendezvous state with it and refuse
+        # one they did not seal (nothing another client writes is unpickled); srun hands
+        # it to them in their environment, never through a file or a command line
+        REFT_RDZV_SECRET=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+        export REFT_RDZV_SECRET
         _reft_start_store
         "${srun_cmd[@]}" bash "$launch" "$@" || rc=$?
     fi

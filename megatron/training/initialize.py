@@ -13,6 +13,8 @@ from megatron.core import tensor_parallel
 
 from megatron.training import cpu_compat, inprocess_generation
 from megatron.training.arguments import rank_order
+from reft_ext.cluster import rendezvous
+from reft_ext.report.events import emit
 
 
 def _free_port() -> int:
@@ -21,21 +23,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _elastic_store_kwargs(timeout) -> dict:
-    """torchrun (2.13) shares its agent's TCPStore with the workers across restarts
-    without a per-attempt key prefix, so after a restart gloo reads the previous
-    attempt's (dead) peer addresses and fails with "Connection refused". Prefix the
-    store with the restart count, as the agent-store docstring says should happen."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dict(store=torch.distributed.PrefixStore(f"reft/attempt_{attempt}", store),
-                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def distributed_backend(requested: str | None, cuda: bool) -> str:
@@ -64,9 +51,14 @@ def initialize_distributed(args) -> None:
     if not torch.distributed.is_initialized():
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         # under the in-process supervisor: this generation's store prefix
-        store = inprocess_generation.store_kwargs(timeout) or _elastic_store_kwargs(timeout)
+        # (under torchrun: the job's signed store, rank 0's bound to MASTER_ADDR)
+        store = inprocess_generation.store_kwargs(timeout) or \
+            rendezvous.worker_store_kwargs(timeout)
         backend = inprocess_generation.group_backend(backend)  # reft_gloo: kept across restarts
         torch.distributed.init_process_group(backend=backend, timeout=timeout, **store)
+    warning = rendezvous.launch_warning()  # plain torchrun: what is exposed, once
+    if warning and torch.distributed.get_rank() == 0:
+        emit("launch_unsafe", warning)
     ws = torch.distributed.get_world_size()
     if ws != args.world_size:
         raise RuntimeError(f"WORLD_SIZE {args.world_size} at argument validation, "

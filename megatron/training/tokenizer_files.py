@@ -14,6 +14,8 @@ import json
 import os
 from typing import Dict, List, Optional, Tuple
 
+from reft_ext.report.files import replace_with
+
 SUPPORTED_TOKENIZERS = ("ByteLevelTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
                         "NullTokenizer")
 # the tokenizers that read --tokenizer-model
@@ -171,11 +173,9 @@ def dataset_tokenizer_info_path(prefix: str) -> str:
 def write_dataset_tokenizer_info(prefix: str, info: dict) -> None:
     """Record a dataset's tokenizer next to its .bin/.idx, atomically (tmp + rename)."""
     path = dataset_tokenizer_info_path(prefix)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": INFO_FORMAT, **info}, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    # a fresh O_EXCL|O_NOFOLLOW temporary, renamed: a planted link is never written through
+    replace_with(path, json.dumps({"format": INFO_FORMAT, **info}, indent=1,
+                                  sort_keys=True) + "\n")
 
 
 def read_dataset_tokenizer_info(prefix: str) -> Optional[dict]:

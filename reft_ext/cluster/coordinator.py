@@ -32,6 +32,7 @@ import sys  # noqa: E402
 from reft_ext.cluster.inprocess import ENV_SECRET, job_secret  # noqa: E402
 from reft_ext.cluster.node_pool import NODE_TIMEOUT_S, NodePool  # noqa: E402
 from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig  # noqa: E402
+from reft_ext.report.files import open_nofollow  # noqa: E402
 from reft_ext import safe_dir  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
 
     def ready() -> None:
         if a.ready_file:
-            with open(a.ready_file, "w") as f:
+            with open_nofollow(a.ready_file) as f:  # never through a planted link
                 f.write(f"{a.port}\n")
         pool.say(f"store listening on {a.host}:{a.port}; waiting for {a.alloc_nodes} "
                  f"node agent(s) ({a.nodes} training x {a.ranks_per_node} ranks)")

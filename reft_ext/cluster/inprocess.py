@@ -234,9 +234,14 @@ class Generation:
 
     # ---- the process groups of one generation --------------------------------------
     def pg_store(self, timeout: datetime.timedelta):
-        """The store generation g's process groups rendezvous on."""
+        """The store generation g's process groups rendezvous on, its values signed with
+        the job's secret: gloo's peer addresses and NCCL's unique id there would let a
+        client that forged them stand in for a peer (whose objects are unpickled)."""
+        from reft_ext.cluster.signed_store import SignedStore
+
+        prefix = key(f"g{self.gen}", "pg")
         store = _connect(timeout.total_seconds())
-        return torch.distributed.PrefixStore(key(f"g{self.gen}", "pg"), store)
+        return SignedStore(torch.distributed.PrefixStore(prefix, store), self.secret, prefix)
 
     def watch(self) -> None:
         """Start the abort watcher for the current generation."""

@@ -59,7 +59,9 @@ def record(event: str, **fields) -> dict | None:
     obj = {"event": event, "rank": _rank(), "time": time.time(), **_plain(fields)}
     line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        # never through a planted link (O_NOFOLLOW): the events name paths and run ids
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW |
+                     os.O_CLOEXEC, 0o600)
     except OSError:
         return None
     try:

@@ -24,6 +24,8 @@ import time
 from collections import deque
 from statistics import median
 
+from reft_ext.report.files import replace_with
+
 MAX_EVENTS = 500_000  # a trace past this is cut (a note says so), memory stays bounded
 
 
@@ -75,10 +77,7 @@ def write_chrome_trace(path: str, per_rank: list[list[dict]], dropped: int = 0) 
     doc = {"traceEvents": events, "displayTimeUnit": "ms",
            "otherData": {"producer": "reft_ext.report.timeline", "dropped_events": dropped}}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
+    replace_with(path, json.dumps(doc))  # a fresh O_EXCL|O_NOFOLLOW temporary, renamed
 
 
 class StepProfile:

@@ -18,6 +18,7 @@ import json
 import shutil
 import sys
 
+from reft_ext.report.files import open_nofollow
 from reft_ext.state.regions import Region
 
 
@@ -106,6 +107,6 @@ class ReftFaults:
                 m = json.load(f)
             m["iteration"] = it + 1
             change = f"{who} commit pointer {path}: iteration {it} -> {it + 1}"
-        with open(path, "w") as f:
+        with open_nofollow(path) as f:
             json.dump(m, f)
         _emit(f"[FAULT] changed {change} (checksum kept)")

@@ -160,9 +160,10 @@ def test_dry_run_flags_exist_and_layouts_validate(script, nodes, spares, nnodes,
 
     torchrun, trainer, out = _dry_run(script, tmp_path)
     assert f"{nodes} node(s) allocated" in out and f"{spares} hot spare(s)" in out
-    t = get_args_parser().parse_args(torchrun[3:])  # after python -m torch.distributed.run
+    assert torchrun[1:3] == ["-m", "reft_ext.cluster.torchrun"], torchrun
+    t = get_args_parser().parse_args(torchrun[3:])  # after python -m reft_ext.cluster.torchrun
     assert (t.nnodes, t.rdzv_backend, t.rdzv_endpoint.split(":")[0]) == \
-        (nnodes, "c10d", "127.0.1.10")  # the first node of the allocation
+        (nnodes, "reft", "127.0.1.10")  # the first node of the allocation
     assert t.rdzv_conf.startswith("is_host=false") and int(t.max_restarts) >= 2
     assert t.local_addr == "127.0.1.10" and t.training_script.endswith("pretrain_llama.py")
     per_node = int(t.nproc_per_node)

@@ -400,7 +400,7 @@ class Checker:
     def module(self, name, words, opt, world_size=None):
         if name == "reft_ext.plan":
             self.invocations.append(Invocation("planner", words, opt))
-        elif name == "torch.distributed.run":
+        elif name in ("torch.distributed.run", "reft_ext.cluster.torchrun"):
             self.torchrun(words, opt)
         elif name == "pytest":
             for w in words:
