@@ -142,8 +142,9 @@ def open_dir(path: str, *, kind: str = PRIVATE, create: bool = False,
     each component opened through its parent's descriptor and checked (module doc).
     ``create``: missing components are made (``mkdirat``; ``mode`` for the last, 0755 for
     those above it). ``fix_mode``: a last component of this user's that is writable by
-    group or others is made ``mode`` instead of refused. :class:`UnsafePathError` (a one-line message naming the component and
-    what is wrong with it) or ``FileNotFoundError`` otherwise."""
+    group or others is made ``mode`` instead of refused. :class:`UnsafePathError` (a
+    one-line message naming the component and what is wrong with it),
+    ``FileNotFoundError`` or ``NotADirectoryError`` otherwise."""
     if kind not in (PRIVATE, TRUSTED, PARENT):
         raise ValueError(f"kind {kind!r}")
     return _walk(os.path.abspath(path), kind, create, mode, fix_mode=fix_mode)
