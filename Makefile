@@ -67,14 +67,18 @@ demo: install
 # The same job on 2 nodes x 2 ranks (--reft-ranks-per-node 2), each node holding one rank
 # of each pipeline stage (--use-tp-pp-dp-mapping): the placement keeps every ARC and AOR
 # copy on the other node (docs/reft.md, "Placement"), and node 1 (ranks 2 and 3 with its
-# shared memory) is lost at iteration 250. The failure-free run of this layout
-# (runs/nodes) is made first when missing.
+# shared memory) is lost at iteration 250 (5/6 of --train-iters: 33 of ARGS="--train-iters
+# 40"). The failure-free run of this layout with the same ARGS (runs/nodes; another ARGS:
+# runs/nodes-<its checksum>) is made first when missing.
 NODES_ARGS = --use-tp-pp-dp-mapping --reft-ranks-per-node 2
+NODES_ITERS = $(or $(shell echo ' $(ARGS) ' | sed -n 's/.* --train-iters[ =]\([0-9][0-9]*\) .*/\1/p'),300)
+NODES_FAULT ?= 2:$(shell echo $$(( $(NODES_ITERS) * 5 / 6 ))):KILL:node
+NODES_DIR ?= runs/nodes$(if $(strip $(ARGS)),-$(shell echo '$(ARGS)' | cksum | cut -d' ' -f1))
 demo-nodes: install
-	test -f runs/nodes/train.log || $(MAKE) run RUN_DIR=runs/nodes ARGS="$(NODES_ARGS)"
+	test -f $(NODES_DIR)/train.log || $(MAKE) run RUN_DIR=$(NODES_DIR) ARGS="$(NODES_ARGS) $(ARGS)"
 	$(PY) tools/demo.py --run-dir runs/demo-nodes --nproc $(NPROC) \
-	    --compare runs/nodes/train.log --compare-checkpoint runs/nodes/checkpoints -- \
-	    $(JOB_ARGS) $(NODES_ARGS) --inject-fault 2:250:KILL:node $(ARGS)
+	    --compare $(NODES_DIR)/train.log --compare-checkpoint $(NODES_DIR)/checkpoints -- \
+	    $(JOB_ARGS) $(NODES_ARGS) --inject-fault $(NODES_FAULT) $(ARGS)
 
 # `make test` (CI, ~11 min on 2 cores) covers every capability end to end once;
 # `make test-all` adds the other layouts and schemes of the long recovery tests (~16 min).

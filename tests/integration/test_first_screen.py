@@ -106,3 +106,26 @@ def test_log_follower_prints_each_ranks_new_lines_once_with_its_prefix(tmp_path)
     follower.start()
     follower.stop()  # the last partial line too
     assert out.getvalue().endswith("[default1]:no newline at the end\n")
+
+
+def test_make_demo_nodes_passes_args_to_its_baseline_and_moves_the_fault():
+    """`make demo-nodes ARGS="--train-iters 40"`: the failure-free run of the same ARGS
+    (its own directory, never the 300-iteration one) and the node lost at 5/6 of the run."""
+    short = recipe_lines("demo-nodes", ARGS="--train-iters 40")
+    base = next(line for line in short if line.startswith("test -f runs/nodes-"))
+    assert base.endswith('ARGS="--use-tp-pp-dp-mapping --reft-ranks-per-node 2 '
+                         '--train-iters 40"'), base
+    demo = " ".join(short[short.index(next(x for x in short if "tools/demo.py" in x)):])
+    assert "--inject-fault 2:33:KILL:node --train-iters 40" in demo, demo
+    nodes_dir = base.split()[2].rsplit("/", 1)[0]
+    assert f"--compare {nodes_dir}/train.log --compare-checkpoint {nodes_dir}/checkpoints" \
+        in demo, demo
+    full = " ".join(recipe_lines("demo-nodes"))
+    assert "test -f runs/nodes/train.log" in full and "2:250:KILL:node" in full, full
+
+
+def recipe_lines(target: str, **make_vars: str) -> list[str]:
+    """Every line `make -n TARGET` prints (a baseline's sub-make prints its own)."""
+    return subprocess.run(["make", "-s", "-n", target, *(f"{k}={v}" for k, v in
+                                                          make_vars.items())],
+                          cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()

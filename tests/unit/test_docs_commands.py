@@ -523,10 +523,11 @@ def _planner_runs(paper_check: bool = True):
 def test_complete_planner_commands_run():
     from reft_ext.plan.cli import main
 
-    ran, problems = 0, []
+    ran, problems, docs = 0, [], set()
     # --paper-check plans a dozen set-ups (~2 s): tests/unit/test_plan_scale.py runs it, and
     # the slow tier below runs it as written
     for cmd, args in _planner_runs(paper_check=False):
+        docs.add(cmd.doc)
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
@@ -541,8 +542,70 @@ def test_complete_planner_commands_run():
             if line.strip() not in ("", "...") and line not in printed:
                 problems.append(f"{cmd.where()}: the doc shows a line the command does not "
                                 f"print: {line!r}")
-    assert ran >= 3  # docs/planner.md's two and docs/user_guide.md's
+    assert ran >= 4  # docs/planner.md's two, docs/user_guide.md's and README's
+    assert "README.md" in docs  # complete (no "..."): a newcomer pastes it as it is
     assert not problems, "\n" + "\n".join(problems)
+
+
+# The README and the guides a newcomer follows after `make run` (which makes .venv): their
+# commands name the venv's programs, as a bare python or torchrun has no torch.
+VENV_DOCS = ("README.md", "docs/huggingface.md", "docs/user_guide.md")
+VENV = ".venv/bin/"
+
+
+def _bare_program(cmd: Command) -> str | None:
+    """The bare python/python3/torchrun that runs this command's project code, or None
+    (the venv's, a name in prose, python's own -m venv, a stdin script)."""
+    words = cmd.words
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", words[0]):
+        words = words[1:]
+    if not words or words[0] not in ("python", "python3", "torchrun"):
+        return None
+    rest = words[1:]
+    if not rest or (rest[0] == "-m" and len(rest) == 2) or rest[:2] == ["-m", "venv"] \
+            or rest[0] == "-":
+        return None
+    return words[0]
+
+
+def test_readme_and_guides_run_in_the_venv_they_name():
+    """What a newcomer pastes after `make run` runs: .venv/bin/python, not a bare python
+    without torch (issue 52: README's Hugging Face section)."""
+    problems = []
+    for doc in VENV_DOCS:
+        with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        # inline: python commands only (prose names "`torchrun --max-restarts 3`")
+        inline = [c for c in _inline_commands(doc, lines) if c.words[0] != "torchrun"]
+        for cmd in _fenced_commands(doc, lines) + inline:
+            bare = _bare_program(cmd)
+            if bare:
+                problems.append(f"{cmd.where()}: `{bare}` is not the venv's: write "
+                                f"{VENV}{bare}  [{cmd.text[:100]}]")
+    assert not problems, "\n" + "\n".join(problems)
+    # what they run is in it: the converter's extra, torchrun
+    import importlib.util
+
+    assert importlib.util.find_spec("transformers") and os.path.isfile(
+        os.path.join(os.path.dirname(sys.executable), "torchrun"))
+
+
+def test_install_by_hand_installs_the_extras_make_install_does():
+    with open(os.path.join(REPO, "Makefile")) as f:
+        made = re.search(r"-e '\.\[([\w,]+)\]'", f.read())
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        by_hand = re.findall(r"^pip install .*-e '\.\[([\w,]+)\]'", f.read(), re.M)
+    assert made and len(by_hand) == 1, by_hand
+    assert set(made.group(1).split(",")) <= set(by_hand[0].split(",")), \
+        (made.group(1), by_hand[0])  # the hf extra: the converter needs transformers
+
+
+def test_the_checker_sees_a_bare_python():
+    text = "python tools/convert_checkpoint.py --to hf --load x --output y"
+    assert _bare_program(Command("d", 1, text, _shell_words(text)[0])) == "python"
+    for ok in (".venv/bin/python tools/convert_checkpoint.py --help", "python -m reft_ext.plan",
+               "python3 -m venv .venv", "python - <<'EOF'"):
+        assert _bare_program(Command("d", 1, ok, _shell_words(ok)[0])) is None, ok
 
 
 # Flags of other programs that the docs name in prose (Slurm, pip, setuptools, hipcc, the
