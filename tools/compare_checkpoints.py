@@ -38,7 +38,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 # the run's history, not its state (train_state.extra: megatron/training/training.py
-# _name_run, reft_ext/report/summary.py KEY)
+# _agree_start, reft_ext/report/summary.py KEY)
 DEFAULT_IGNORE = ("train_state.extra.run_id", "train_state.extra.run_started",
                   "train_state.extra.reft", "train_state.extra.reft.*")
 TRACKER = "latest_checkpointed_iteration.txt"

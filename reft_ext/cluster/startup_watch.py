@@ -11,8 +11,9 @@ for peers) is aborted like a failed one, and the next generation starts.
 
 Progress is what a stalled start-up cannot fake: any rank consuming CPU (a cold
 replacement importing, building its model, REFT-load checksumming; read from
-``/proc/<pid>/stat`` for the workers this host runs), or a new start-up mark in the
-store (the ``trained`` marks). A rank blocked in a collective sleeps in the kernel and
+``/proc/<pid>/task/*/stat`` for the workers this host runs, gloo's TCP loop threads
+left out: they wake on timeouts of their own), or a new start-up mark in the store (the
+``trained`` marks). A rank blocked in a collective sleeps in the kernel otherwise and
 consumes none, so a generation where every rank waits for another stands out within the
 limit, however loaded the host: a starved rank still gets CPU ticks. Workers whose CPU
 this host cannot read (the node pool's, on other hosts) count as progressing, so a
@@ -33,16 +34,36 @@ CPU_EPS_S = 0.005      # CPU seconds below this, summed over the ranks, is no pr
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+# threads that use CPU while their process waits: gloo's TCP loop wakes on its own
+# timeouts (about 10 ms of CPU a second per group set, measured on a rank blocked in a
+# barrier); not progress
+IDLE_THREADS = ("gloo_tcp_loop",)
+
+
 def cpu_seconds(pid: int | None) -> float | None:
-    """utime + stime of process ``pid`` (every thread), or None (gone, not readable)."""
+    """utime + stime of process ``pid``'s threads but the IDLE_THREADS, or None (gone,
+    not readable)."""
     if not pid:
         return None
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICKS
-    except (OSError, ValueError, IndexError):
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return None
+    ticks = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:
+            continue  # a thread that ended meanwhile
+        if head.partition("(")[2] in IDLE_THREADS:
+            continue
+        fields = rest.split()
+        try:
+            ticks += int(fields[11]) + int(fields[12])
+        except (ValueError, IndexError):
+            continue
+    return ticks / TICKS
 
 
 def stopped(pid: int | None) -> bool:

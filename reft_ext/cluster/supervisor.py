@@ -256,18 +256,21 @@ class Supervisor:
         reason = w.reason(silent)
         frozen = [r for r in ranks if stopped(self.ranks[r].pid if self.ranks[r].cpu_seconds()
                                                is not None else None)]
-        self._say(f"{reason}: aborting it" + (f"; rank(s) {frozen} stopped (killed: a "
-                                              f"stopped process cannot abort)" if frozen else ""))
-        for r in frozen:
-            self.ranks[r].kill(signal.SIGKILL)
+        if frozen:
+            reason += f"; rank(s) {frozen} stopped (killed: a stopped process cannot abort)"
+        self._say(f"{reason}: aborting it")
         set_first(self.store, self.secret, key("abort", self.gen), f"supervisor: {reason}",
                   self.gen)
+        for r in frozen:
+            self.ranks[r].kill(signal.SIGKILL)
 
     def _new_generation(self, dead: list[int]) -> bool:
         """End generation g: abort, wait for survivors or deaths, replace, publish g+1."""
         g, t_detect = self.gen, time.time()
         asked = read_signed(self.store, self.secret, key("abort", g), g) or ""
         reason = f"rank(s) {dead} exited" if dead else (asked or "a rank asked")
+        if "start-up made no progress" in asked:  # the supervisor's own (startup_watch.py)
+            reason = asked
         how = failure_kind(dead, asked)
         set_first(self.store, self.secret, key("abort", g), f"supervisor: {reason}", g)
         wake_ranks(self.store, g, self.ranks)
