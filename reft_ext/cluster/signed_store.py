@@ -16,7 +16,7 @@ after it: the job's value is gone, the wait fails; the forged address is never u
 rendezvous round), so a value cannot be replayed under another key or in another round.
 Counters (``add``) stay plain: a forged count can delay a barrier, not redirect a rank.
 The wrapper is a Python subclass of ``torch.distributed.Store``: gloo and NCCL call it
-from C++ (measured on torch 2.13: gloo uses set, wait and get only).
+from C++ (measured on torch 2.13: gloo uses set, wait, get and clone).
 """
 
 from __future__ import annotations
@@ -117,6 +117,11 @@ class SignedStore(torch.distributed.Store):
 
     def multi_get(self, keys) -> list[bytes]:
         return [self.get(k) for k in keys]
+
+    def clone(self) -> "SignedStore":
+        """A store of its own over a clone of the inner one (gloo clones the store of a
+        group with a timeout of its own: torch 2.13)."""
+        return SignedStore(self.inner.clone(), self.secret, self.scope)
 
     # ---- plain: presence, counters, housekeeping --------------------------------------
     def add(self, key, amount) -> int:

@@ -66,8 +66,11 @@ def _rank(rank: int, env: dict, q) -> None:
         store = gen.pg_store(datetime.timedelta(seconds=30))
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2,
                                              timeout=datetime.timedelta(seconds=30))
+        # a group with a timeout of its own: gloo clones the store for it
+        group = torch.distributed.new_group(backend="gloo",
+                                            timeout=datetime.timedelta(seconds=20))
         got = [None, None]
-        torch.distributed.all_gather_object(got, {"rank": rank})
+        torch.distributed.all_gather_object(got, {"rank": rank}, group=group)
         torch.distributed.destroy_process_group()
         q.put((rank, type(store).__name__, got))
     except Exception as exc:  # noqa: BLE001 - reported to the test
