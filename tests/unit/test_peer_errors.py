@@ -54,6 +54,8 @@ _DATASET = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~40 s on the loaded 2-core host (megatron's imports); the chains
+# below are the default tier's, and test_inprocess_startup.py's data-build kill runs it
 def test_a_peer_dying_inside_megatron_cores_dataset_build_is_a_peers_failure(tmp_path):
     from tools.launch_nodes import free_port
 
