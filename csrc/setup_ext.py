@@ -17,7 +17,8 @@ Decisions, each printed to the build log with a ``[reft_ext]`` prefix
   loader hands the extension the libcudart torch already loaded (same SONAME) and
   streams, events and errors are shared with torch.  ROCm links the shared
   libamdhip64 of $ROCM_PATH, which resolves the same way, and only when its HIP major
-  equals torch's (``torch.version.hip``: same SONAME, libamdhip64.so.N).  torch's CUDAExtension is not used because it also links libtorch*;
+  equals torch's (``torch.version.hip``: same SONAME, libamdhip64.so.N).  torch's
+  CUDAExtension is not used because it also links libtorch*;
   these sources need no torch headers (see below).
 * Failure never fails the install: a compile or link error prints a warning and
   the package installs without ``_C`` (reft_ext then uses its torch reference

@@ -346,6 +346,13 @@ class AORTransport:
         return self.replica.valid and (self.replica.spec.bit_identical or
                                        int(self.replica.step_count()) == self.exact_step)
 
+    def _replay_note(self) -> str:
+        spec = self.replica.spec
+        if spec.bit_identical:
+            return ""
+        return " (GPU owner)" if spec.device != "cpu" else \
+            f" ({spec.kind}: not replayed bit for bit)"
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"AOR replica thread failed: {self._error!r}") from self._error
@@ -384,7 +391,7 @@ class AORTransport:
             self.replica.invalidate(f"checksum mismatch at iteration {iteration}")
             emit("aor_mismatch", f"rank {self.rank}: MISMATCH at iteration {iteration}: replica "
                  f"of rank {self.owner_rank} has checksum {mine[1]:016x}, the owner "
-                 f"{expected:016x}{'' if self.owner.spec.bit_identical else ' (GPU owner)'}",
+                 f"{expected:016x}{self._replay_note()}",
                  prefix="[AOR]", iteration=iteration, owner=self.owner_rank)
         valid_before = self.replica.valid
         if match and mine[2]:
