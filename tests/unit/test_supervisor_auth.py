@@ -221,7 +221,7 @@ def test_a_peer_without_the_secret_cannot_steer_the_job(tmp_path, capsys):
         _wait(lambda: sup.gen == 2, 60, "generation 2")
         third = _wait(lambda: _ranks(out)[2:], 60, "the rank of generation 2")[0]
         assert third["REFT_GENERATION"] == "2" and third["LD_PRELOAD"] is None
-        assert sup.history[1]["reason"] == "a rank asked"
+        assert sup.history[1]["reason"] == "rank 0: collective failed"  # what it said
     finally:
         sup.close()
 
