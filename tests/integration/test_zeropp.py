@@ -15,6 +15,7 @@ import re
 import pytest
 
 from tests.harness.compare import same_as_reference
+from tests.harness.goodput import assert_goodput_adds_up
 from tests.harness.recovery import N, OWN, REPLICA, assert_recovered, reft
 from tests.harness.run import LAYOUTS, TINY, torchrun
 
@@ -78,6 +79,8 @@ def test_crash_then_lost_node_under_zeropp_recover_bit_exact(reference_runs):
     assert first in (1, 2) and second in (3, 4), (first, second)
     assert_recovered(run.events, second, {0: OWN, 1: OWN, 2: REPLICA, 3: REPLICA},
                      aor_from={2: 0, 3: 1})
+    # every rank's goodput categories add up across the three attempts
+    assert_goodput_adds_up(run, ranks=4, failures=2, attempts=3)
     same_as_reference(run, ref, second + 1)
 
 
