@@ -20,6 +20,9 @@ number of threads on both sides unless the row says otherwise:
                                            one thread each)
   XOR k allT / torch xor allT             (torch's bitwise_xor on as many threads)
   XOR k nT / traffic bound nT    >= 0.8
+  copy+hash nT / copy nT                  (the snapshot's copy-and-hash pipeline, 4 MiB
+                                           units hashed with xxh3_64, against a copy alone;
+                                           "python" is the reference path it replaces)
 The traffic bound of a k-member encode is what the memory system can give it:
 an encode reads k bytes and writes 1 per output byte, a copy reads 1 and writes
 1, so with B_n the best copy rate measured in the same column on n threads
@@ -42,6 +45,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reft_ext import _native  # noqa: E402
 from reft_ext.copy.engine import CopyEngine  # noqa: E402
+from reft_ext.copy.pipeline import RegionPipeline  # noqa: E402
+from reft_ext.copy.pipeline import available as pipeline_available  # noqa: E402
+from reft_ext.state.layout import StreamLayout  # noqa: E402
+from reft_ext.store.checksum import CHUNK, chunk_digest  # noqa: E402
 from reft_ext.report.progress import Progress  # noqa: E402
 from reft_ext.protect.xor import xor_encode  # noqa: E402
 
@@ -84,6 +91,17 @@ def methods(n: int, ks: list[int], threads: int):
         ("numpy bitwise_xor", lambda: np.bitwise_xor(srcs[0], srcs[1], out=out)),
         (f"torch bitwise_xor {threads}T", lambda: torch.bitwise_xor(ts[0], ts[1], out=to)),
     ]
+    # the snapshot's copy-and-hash (4 MiB units, xxh3_64): the native pipeline, one call
+    # for the whole buffer, against the Python reference (a copy then chunk_digest per unit)
+    stream = StreamLayout([("src", ts[0])])
+    spans = [(lo, to[lo:min(n, lo + CHUNK)]) for lo in range(0, n, CHUNK)]
+    if pipeline_available(False):
+        pipe = RegionPipeline(stream, spans, lambda nb: 1)
+        for t in sorted({1, threads}):
+            rows.append((f"copy+hash pipeline {t}T",
+                         lambda t=t: pipe.run(range(len(spans)), threads=t)))
+    rows.append(("copy+hash python 1T", lambda: [
+        (stream.read(lo, lo + d.numel(), d), chunk_digest(d)) for lo, d in spans]))
     for k in ks:
         rows.append((f"XOR encode k={k} 1T",
                      lambda k=k: xor_encode(ts[:k], to, num_threads=1)))
@@ -155,6 +173,13 @@ def main(argv=None) -> int:
     # the traffic bound per thread count: the best copy on as many threads
     copies = {1: ["numpy copyto", "engine copy 1T"],
               threads: [f"torch copy_ {threads}T", f"engine copy {threads}T"]}
+    for t in sorted({1, threads}):  # the pipeline against a plain copy on as many threads
+        if f"copy+hash pipeline {t}T" in names:
+            ratio_row(f"copy+hash {t}T / copy {t}T",
+                      lambda c, t=t: c[f"copy+hash pipeline {t}T"] / c[f"engine copy {t}T"])
+    if "copy+hash pipeline 1T" in names:
+        ratio_row("copy+hash 1T / python 1T",
+                  lambda c: c["copy+hash pipeline 1T"] / c["copy+hash python 1T"])
     for k in ks:
         ratio_row(f"XOR k={k} 1T / numpy xor",
                   lambda c, k=k: c[f"XOR encode k={k} 1T"] / c["numpy bitwise_xor"])
