@@ -64,6 +64,6 @@ def optimizer_source() -> str:
         try:
             if importlib.util.find_spec(spec) is not None:
                 return name
-        except (ImportError, ValueError):  # a parent package that does not import
+        except Exception:  # noqa: BLE001 - a parent package that does not import here
             continue
     return "torch"
