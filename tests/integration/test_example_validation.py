@@ -9,8 +9,6 @@ in-process worker sees what the node agent gives it (REFT_INPROCESS_STORE)."""
 from __future__ import annotations
 
 import os
-import re
-import shlex
 
 import pytest
 
@@ -18,7 +16,7 @@ from megatron.training.arguments import ArgumentError, build_parser, validate_ar
 from megatron.training.device_facts import DeviceFacts
 from reft_ext.cluster import inprocess
 from reft_ext.config import ReftConfig
-from tests.integration.test_slurm_examples import FRONTIER, NVIDIA, sbatch
+from tests.harness.slurm_dry_run import FRONTIER, NVIDIA, dry_run, dry_run_line
 
 # script -> (target platform, optimizers megatron-core gets there, allocated nodes, spares)
 TARGETS = {NVIDIA: ("cuda", "transformer_engine", 18, 2),
@@ -30,17 +28,12 @@ FIXED = {NVIDIA: {"MIN_NODES": "16"}}
 
 
 def _built(script, tmp_path, restart, **env) -> tuple[list[str], dict, str]:
-    job = sbatch(script, tmp_path, DRY_RUN="1", RESTART=restart,
-                 DATA_PATH="/shared/data/text_document", CKPT_DIR="/shared/ckpt/run", **env)
-    assert job.rc == 0, job.output
-    out = job.output
-
-    def line(what):
-        m = re.search(rf"\[launch\] dry run: {what}:(.*)", out)
-        assert m, f"no '{what}' line in the dry run:\n{out[-3000:]}"
-        return shlex.split(m.group(1))
-    env_out = dict(kv.split("=", 1) for kv in line("env"))
-    return line("trainer"), env_out, out
+    rc, out = dry_run(script, str(tmp_path / "submit"), RESTART=restart,
+                      DATA_PATH="/shared/data/text_document", CKPT_DIR="/shared/ckpt/run",
+                      **env)
+    assert rc == 0, out
+    env_out = dict(kv.split("=", 1) for kv in dry_run_line(out, "env"))
+    return dry_run_line(out, "trainer"), env_out, out
 
 
 def _validate(trainer, env, facts, world, per_node, in_process, monkeypatch):
@@ -100,9 +93,9 @@ def test_every_shipped_script_passes_the_trainers_validation_on_its_target(
 
 
 def test_nvidia_script_in_process_is_refused_as_elastic(tmp_path):
-    job = sbatch(NVIDIA, tmp_path, DRY_RUN="1", RESTART="in-process",
-                 DATA_PATH="/d", CKPT_DIR="/c")
-    assert job.rc == 2 and "an elastic job needs RESTART=torchrun" in job.output
+    rc, out = dry_run(NVIDIA, str(tmp_path), RESTART="in-process", DATA_PATH="/d",
+                      CKPT_DIR="/c")
+    assert rc == 2 and "an elastic job needs RESTART=torchrun" in out
 
 
 def test_cpu_facts_skip_the_device_checks_and_node_facts_name_the_platform():
