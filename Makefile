@@ -47,7 +47,8 @@ run: install
 	    --tensorboard-dir $(RUN_DIR)/tensorboard $(ARGS) 2>&1 | tee $(RUN_DIR)/train.log
 
 # The same job under the in-process supervisor: a failed rank is replaced by a warm spare
-# and the others restart inside their own processes (docs/nodes.md). Try ARGS=--inject-fault 1:150
+# and the others restart inside their own processes (docs/nodes.md); every rank's log lines
+# show on the terminal prefixed [default<rank>]: (tools/log_follow.py). Try ARGS=--inject-fault 1:150
 run-inprocess: install
 	mkdir -p $(RUN_DIR)
 	$(PY) tools/launch_nodes.py --restart in-process --spares 1 --nnodes $(NPROC) \
