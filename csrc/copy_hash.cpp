@@ -18,13 +18,43 @@
 #include "cuda_ops.h"
 #endif
 
-// xxHash 0.8.4, the library python-xxhash wraps (csrc/third_party/xxhash/README)
+// xxHash 0.8.4, the library python-xxhash wraps (csrc/third_party/xxhash/README). The
+// build has no -march: the default kernel is SSE2 (as python-xxhash's wheel); the AVX2
+// one is compiled with a target attribute and chosen at run time, as xxHash's own
+// xxh_x86dispatch.c does (same digests: the vector kernels are exact equivalents)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define REFT_XXH_AVX2 1
+#define XXH_DISPATCH_AVX2 1
+#define XXH_TARGET_AVX2 __attribute__((target("avx2")))
+#include <immintrin.h>  // the AVX2 kernel's types (xxh_x86dispatch.c includes it too)
+#endif
 #define XXH_INLINE_ALL
 #include "third_party/xxhash/xxhash.h"
 
 namespace reft {
 
-uint64_t xxh3_64(const void* p, size_t n) { return XXH3_64bits(p, n); }
+namespace {
+#ifdef REFT_XXH_AVX2
+__attribute__((target("avx2"))) uint64_t xxh3_avx2(const void* p, size_t n) {
+  if (n <= XXH3_MIDSIZE_MAX) return XXH3_64bits(p, n);  // short inputs: scalar paths
+  return XXH3_hashLong_64b_internal(p, n, XXH3_kSecret, sizeof(XXH3_kSecret),
+                                    XXH3_accumulate_avx2, XXH3_scrambleAcc_avx2);
+}
+#endif
+
+uint64_t (*pick_xxh3())(const void*, size_t) {
+#ifdef REFT_XXH_AVX2
+  // REFT_CPU_ISA=scalar caps it as it caps the copy kernels
+  if (best_isa() != Isa::Scalar) return xxh3_avx2;
+#endif
+  return [](const void* p, size_t n) -> uint64_t { return XXH3_64bits(p, n); };
+}
+}  // namespace
+
+uint64_t xxh3_64(const void* p, size_t n) {
+  static const auto fn = pick_xxh3();
+  return fn(p, n);
+}
 
 namespace {
 
@@ -116,7 +146,7 @@ void work(Run& r) {
       for (const auto& p : u.pieces)
         if (!p.device) copy_range(u.dst + p.dst_off, p.src, p.n, r.opt.isa, r.opt.nontemporal);
       if (u.zero_from < u.len) std::memset(u.dst + u.zero_from, 0, u.len - u.zero_from);
-      r.digests[i] = XXH3_64bits(u.dst, u.len);
+      r.digests[i] = xxh3_64(u.dst, u.len);
     }
   } catch (const std::exception& e) {
     r.fail(e.what());

@@ -181,3 +181,21 @@ def test_copy_threads_fixed_by_the_environment(monkeypatch):
     monkeypatch.setenv("REFT_COPY_THREADS", "four")
     with pytest.raises(ValueError, match="REFT_COPY_THREADS='four'"):
         Pipelines(1 << 30, cap=8, cap_beside=2, window=lambda: 10.0)
+
+
+@native
+def test_both_hash_kernels_give_pythons_digests():
+    """The AVX2 kernel (chosen at run time) and the SSE2 one (REFT_CPU_ISA=scalar) both
+    give python-xxhash's digests, short and long inputs."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    probe = ("import torch, xxhash\nfrom reft_ext import _native\n"
+             "d = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)\n"
+             "ok = all(_native.C.xxh3_64(d.data_ptr(), n) == xxhash.xxh3_64(d[:n].numpy())"
+             ".intdigest() for n in (0, 17, 240, 241, 1024, 99999, 3 << 20))\nprint(ok)\n")
+    for isa in ("auto", "scalar"):
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, REFT_CPU_ISA=isa))
+        assert r.stdout.split() == ["True"], (isa, r.stderr[-2000:])
