@@ -33,6 +33,11 @@ TAG_BYTES = 32
 POLL_S = 0.05
 
 _warned: set[str] = set()
+# every SignedStore made in this process. C++ (gloo, PrefixStore) holds only the C++ side
+# of a Python store and finds its methods through the Python object: once that is
+# collected, a call from C++ fails ("Not implemented"). A process makes a few (one per
+# generation, attempt or rendezvous round), so each is kept for the process's life.
+_alive: list = []
 
 
 def _bytes(value) -> bytes:
@@ -92,6 +97,7 @@ class SignedStore(torch.distributed.Store):
         if len(secret) < 32:
             raise ValueError("SignedStore: the job's secret must have 32 bytes or more")
         self.inner, self.secret, self.scope = inner, secret, scope
+        _alive.append(self)
 
     # ---- sealed values --------------------------------------------------------------
     def set(self, key, value) -> None:

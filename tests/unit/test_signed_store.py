@@ -59,20 +59,42 @@ def test_a_forged_value_is_ignored_until_the_jobs_own_arrives_or_the_timeout(cap
     assert store.add("n", 2) == 2 and store.check(["k"])  # counters and presence: plain
 
 
+def test_a_store_handed_to_torch_and_dropped_still_serves_its_groups():
+    """C++ finds a Python store's methods through its Python object: one the caller does
+    not keep (init_process_group(store=gen.pg_store(...)), as the trainer passes it) must
+    still serve the groups made later (gloo failed with "Not implemented" before)."""
+    import gc
+
+    torch.distributed.init_process_group(
+        "gloo", store=SignedStore(torch.distributed.HashStore(), SECRET, "one"), rank=0,
+        world_size=1)
+    try:
+        gc.collect()
+        group = torch.distributed.new_group(backend="gloo",
+                                            timeout=datetime.timedelta(seconds=20))
+        t = torch.ones(2)
+        torch.distributed.all_reduce(t, group=group)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def _rank(rank: int, env: dict, q) -> None:
     os.environ.update(env, RANK=str(rank), WORLD_SIZE="2")
     try:
         gen = inprocess.Generation(rank, 2)
-        store = gen.pg_store(datetime.timedelta(seconds=30))
-        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                                             timeout=datetime.timedelta(seconds=30))
+        store_type = type(gen.pg_store(datetime.timedelta(seconds=30))).__name__
+        # not kept by the caller, as the trainer passes it
+        torch.distributed.init_process_group(
+            "gloo", store=gen.pg_store(datetime.timedelta(seconds=30)), rank=rank,
+            world_size=2, timeout=datetime.timedelta(seconds=30))
         # a group with a timeout of its own: gloo clones the store for it
         group = torch.distributed.new_group(backend="gloo",
                                             timeout=datetime.timedelta(seconds=20))
         got = [None, None]
         torch.distributed.all_gather_object(got, {"rank": rank}, group=group)
         torch.distributed.destroy_process_group()
-        q.put((rank, type(store).__name__, got))
+        q.put((rank, store_type, got))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         q.put((rank, "error", repr(exc)))
 
