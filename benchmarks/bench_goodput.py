@@ -100,6 +100,10 @@ def detection(a) -> None:
         "--train-iters", str(a.straggler_iters), "--log-interval", "10",
         "--inject-fault", f"1:{slow_from}:CONT:slow:2"], restarts=0)
     named = [e for e in evs if e["event"] == "straggler"]
+    if a.verbose:
+        for e in evs:
+            if e["event"] == "straggler_exchange":
+                print(f"  exchange at {e['iteration']}: busy ms per rank {e['busy_ms']}")
     finals = [e for e in evs if e["event"] == "goodput" and e.get("final")]
     per_it = statistics.median(f["iteration_s"] for f in finals)
     cost = statistics.median(f["exchange_s"] / max(1, f["iterations"]) for f in finals)
@@ -126,10 +130,13 @@ def main() -> int:
     p.add_argument("--straggler-iters", type=int, default=40)
     p.add_argument("--slow-from", type=int, default=8)
     p.add_argument("--skip-straggler", action="store_true")
+    p.add_argument("--skip-accounting", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="every exchange's rows")
     a = p.parse_args()
     if a.iters < 13:
         p.error("--iters: at least 13 (the rollback is at iteration 12)")
-    accounting(a)
+    if not a.skip_accounting:
+        accounting(a)
     if not a.skip_straggler:
         detection(a)
     return 0

@@ -202,12 +202,12 @@ class Ledger:
         self.rollbacks += int(prev.get("rollbacks", 0))
         self.attempts = int(prev.get("attempts", 1))
         done, per = int(prev.get("iteration") or 0), prev.get("iteration_s") or 0.0
-        kept = int(prev.get("iterations", 0))
         if done > restored and per:  # done again: lost (a median iteration each)
-            n = min(done - restored, kept)
-            self.move(PRODUCTIVE, "lost", n * per)
-            kept -= n
-        self.iterations += kept
+            self.move(PRODUCTIVE, "lost", (done - restored) * per)
+        elif restored > done and per:  # kept after the record: in the gap, not detection
+            self.move("detection", PRODUCTIVE, min((restored - done) * per,
+                                                    max(0.0, t0 - rec)))
+        self.iterations = restored  # the state's iteration: the iterations kept
         if per:
             self.recent = {restored - i: per for i in range(min(3, restored))}
         self.first_pending = True
