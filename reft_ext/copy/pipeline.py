@@ -113,7 +113,9 @@ def fixed_threads() -> int:
     if raw in ("", "0"):
         return 0
     if not raw.isdigit():
-        raise ValueError(f"REFT_COPY_THREADS={raw!r}: give a positive number of copy-and-hash "
+        from reft_ext.config import ReftConfigError  # noqa: PLC0415 - (a ValueError)
+
+        raise ReftConfigError(f"REFT_COPY_THREADS={raw!r}: give a positive number of copy-and-hash "
                          f"threads, or 0 / unset to choose them from the bytes and the window")
     return int(raw)
 
@@ -138,6 +140,23 @@ class Pipelines:
         self.window, self.stager = window, stager
         self.rate = DEFAULT_RATE
         self.fixed = fixed_threads()
+
+    @classmethod
+    def for_snapshot(cls, nbytes: int, tensors: Sequence[torch.Tensor], stager,
+                     window: Callable[[], float | None]) -> "Pipelines | None":
+        """The snapshotter's, or None where the extension cannot serve these tensors
+        (not built, no CUDA part for device ones, several devices). The cores: this
+        rank's share of the node's (LOCAL_WORLD_SIZE ranks), beside compute less the
+        compute threads of CPU training."""
+        device = any(t.device.type != "cpu" for t in tensors)
+        if not available(device) or len({t.device for t in tensors if device and
+                                          t.device.type != "cpu"}) > 1:
+            return None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cpus = _native.num_cpus()
+        busy = 0 if device else local * torch.get_num_threads()
+        return cls(nbytes, max(1, cpus // local), max(1, (cpus - busy) // local), window,
+                   stager)
 
     def threads(self, how: str) -> int:
         """All this rank's share of the cores when training waits (inline, the drain);

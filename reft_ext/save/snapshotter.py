@@ -23,7 +23,6 @@ from reft_ext import _native
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
 from reft_ext.copy.pipeline import Pipelines
-from reft_ext.copy.pipeline import available as pipeline_available
 from reft_ext.copy.staging import DeviceToHost, Readahead
 from reft_ext.state.layout import StateLayout
 from reft_ext.state.regions import Region
@@ -131,17 +130,9 @@ class ReftSnapshotter:
         if self.stager is not None and self.stager.devices[0].index is not None:
             self.store.device = self.stager.devices[0].index  # locked for the state's GPU
         # the copy-and-hash pipeline (reft_ext/copy/pipeline.py): native threads, one call
-        # per region, N from the bytes and the window (the next forward-backward); the
-        # reference path, a Python fill and chunk_digest per unit, without the extension
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # sharing these cores
-        cpus = _native.num_cpus()
-        busy = local_ranks * torch.get_num_threads() if cpu else 0  # compute's cores
-        one_device = len({t.device for t in tensors if t.device.type != "cpu"}) <= 1
-        self.pipes = None
-        if pipeline_available(not cpu) and one_device:
-            self.pipes = Pipelines(self.nbytes, max(1, cpus // local_ranks),
-                                   max(1, (cpus - busy) // local_ranks),
-                                   lambda: self.events.profile.compute(), self.stager)
+        # per region; the reference path (a Python fill and chunk_digest per unit) if None
+        self.pipes = Pipelines.for_snapshot(self.nbytes, tensors, self.stager,
+                                            lambda: self.events.profile.compute())
         if self.stager is not None:
             self.layout.replicated.device_reader = self.stager
             self.layout.owned.device_reader = self.stager
@@ -156,6 +147,7 @@ class ReftSnapshotter:
                                cfg.log_every_snapshot, adapter.rank == 0)
         self.recovered_from: str | None = None  # set by REFT-load (reft_ext/load/recover.py)
         self.bandwidth = Bandwidth()  # BW_io of Algorithm 1, measured by every snapshot
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # sharing these cores
         self.concurrent_tier2 = concurrent_tier2(cfg.has_tier2, tensors, local_ranks)
         self.schedule = make_schedule(cfg.schedule if cfg.enabled else EndOfIteration.name,
                                       self.events, self.bandwidth, self.pipeline,
