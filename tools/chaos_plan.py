@@ -40,9 +40,16 @@ KILLING = ("kill", "term", "stop", "node", "corrupt", "corrupt-replica", "corrup
            "corrupt-committed", "ext-kill", "ext-stop", "ext-node")
 
 
+# start-up moments whose ITER is the iteration a start resumes from (0 when fresh): the
+# planner places a phase's ITER inside the run, so these are the in-process campaign's
+# (tests/integration/test_inprocess_chaos.py), which names the resumed iteration itself
+START_ONLY = ("join", "data", "on-start")
+
+
 def available_phases() -> tuple[str, ...]:
-    """The phases ``--inject-fault`` knows (reft_ext/testing/fault_specs.py)."""
-    return tuple(fault_specs.PHASES)
+    """The phases ``--inject-fault`` knows (reft_ext/testing/fault_specs.py) that this
+    campaign places (not START_ONLY)."""
+    return tuple(p for p in fault_specs.PHASES if p not in START_ONLY)
 
 
 def layout_of(spec: str) -> tuple[str, str, bool]:
