@@ -39,6 +39,7 @@ class GoodputTracker:
         self.per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         self.report: dict | None = None  # the last exchange's (TensorBoard)
         self.exchange_s, self.exchanges = 0.0, 0  # what detection costs this rank
+        self._speaks = False  # the first rank of its data-parallel group (the lines)
 
     # ---- what the rank is doing -------------------------------------------------
     def switch(self, category: str) -> None:
@@ -109,32 +110,42 @@ class GoodputTracker:
         return rank // self.per_node if self.per_node > 0 else None
 
     def _exchange(self, it: int, writer) -> None:
-        rank, t0 = torch.distributed.get_rank(), time.perf_counter()
-        rows = stragglers.exchange(self.clock.window())
+        from megatron.core import parallel_state as mpu
+
+        group = mpu.get_data_parallel_group()  # who waits for whom in the gradient sync
+        members = torch.distributed.get_process_group_ranks(group)
+        t0 = time.perf_counter()
+        rows = stragglers.exchange(self.clock.window(), group)
         self.exchange_s += time.perf_counter() - t0
         self.exchanges += 1
-        self.ledger.move(PRODUCTIVE, "straggler_wait", stragglers.waited(rows, rank))
+        me = torch.distributed.get_rank(group)
+        self.ledger.move(PRODUCTIVE, "straggler_wait", stragglers.waited(rows, me))
         rep = self.detector.observe(rows, it)
-        if rank == 0:  # the job's exchange, for tools and benchmarks (no line)
+        for info in rep["named"] + rep["cleared"]:  # the group's index -> global rank
+            info["rank"] = members[info["rank"]]
+        if rep["slowest"] is not None:
+            rep["slowest"] = members[rep["slowest"]]
+        self._speaks = me == 0  # the group's first rank speaks for it
+        if me == 0:  # the group's exchange, for tools and benchmarks (no line)
             events.record("straggler_exchange", iteration=it, slowest=rep["slowest"],
-                          ratio=rep["ratio"], busy_ms=[round(1000 * (r[0] + r[1]), 3)
-                                                       for r in rows])
+                          ratio=rep["ratio"], group=members,
+                          busy_ms=[round(1000 * (r[0] + r[1]), 3) for r in rows])
         th = self.cfg.straggler_threshold
         for info in rep["named"]:
             text = stragglers.named_text(info, th, self._node(info["rank"]))
-            if rank == 0:
+            if self._speaks:
                 events.emit("straggler", text, **info, node=self._node(info["rank"]),
                             iteration=it)
         for info in rep["cleared"]:
             text = stragglers.cleared_text(info, th, self._node(info["rank"]))
-            if rank == 0:
+            if self._speaks:
                 events.emit("straggler_cleared", text, **info,
                             node=self._node(info["rank"]), iteration=it)
         if writer is not None and rep["slowest"] is not None:
             writer.add_scalar("stragglers/slowest-ratio", rep["ratio"], it)
             writer.add_scalar("stragglers/slowest-rank", rep["slowest"], it)
             writer.add_scalar("stragglers/slow-ranks", len(self.detector.named), it)
-            named = [self.detector.named[r]["cost_s"] for r in self.detector.named]
+            named = [v["cost_s"] for v in self.detector.named.values()]
             writer.add_scalar("stragglers/cost-ms-per-iteration",
                               1000.0 * max(named, default=0.0), it)
         self.report = rep
@@ -157,7 +168,8 @@ class GoodputTracker:
         if torch.distributed.get_rank() == 0:
             total = goodput.job_totals([r for r in every if r])
             events.emit("goodput_job", goodput_view.line(total, self.every), **total)
-        if self.detector.cost_s and torch.distributed.get_rank() == 0:
+        if self.detector.cost_s and self._speaks:
             events.emit("straggler_cost", f"stragglers cost the job "
                         f"{self.detector.cost_s:.2f} s over the run ({len(self.detector.named)}"
-                        f" still slow)", seconds=self.detector.cost_s)
+                        f" still slow; data-parallel group of rank "
+                        f"{torch.distributed.get_rank()})", seconds=self.detector.cost_s)

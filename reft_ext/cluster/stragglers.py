@@ -1,7 +1,9 @@
 """Run-time straggler detection: each rank times its own forward-backward compute, its
 gradient sync and its optimizer step every iteration (:class:`PhaseClock`); every
-``--reft-straggler-interval`` iterations the ranks exchange the medians of the window
-(one all-gather of 6 numbers per rank: no collective in the other iterations), and
+``--reft-straggler-interval`` iterations the ranks of each data-parallel group exchange
+the medians of the window (one all-gather of 6 numbers per rank over that group, which
+all-reduces the gradients every iteration anyway; nothing world-wide, and no collective in
+the other iterations), and
 :class:`Detector` names a rank whose compute time stays above ``--reft-straggler-threshold``
 times the median of the other ranks for ``--reft-straggler-window`` exchanges in a row, with what it
 costs the job (in a synchronous job every other rank waits for it in the gradient sync).
@@ -92,13 +94,15 @@ class PhaseClock:
         return row
 
 
-def exchange(row: list[float]) -> list[list[float]]:
-    """Every rank's row (one all-gather over the world, on the device its backend needs)."""
+def exchange(row: list[float], group=None) -> list[list[float]]:
+    """Every member's row, in the group's rank order (one all-gather over ``group``, the
+    data-parallel group: the ranks that wait for each other in the gradient sync; on the
+    device its backend needs)."""
     dev = torch.device("cuda", torch.cuda.current_device()) \
-        if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+        if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor(row, dtype=torch.float64, device=dev)
-    out = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(out, mine)
+    out = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(out, mine, group=group)
     return [t.tolist() for t in out]
 
 

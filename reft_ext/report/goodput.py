@@ -173,7 +173,10 @@ class Ledger:
     def record(self, **fields) -> dict:
         """The event's fields: the job's totals for this rank so far."""
         now = time.time()
+        # "time" too: the event's own stamp, a moment later, would open a gap to the next
+        # attempt's books
         return dict(seconds=self.totals(now), start=self.start, wall=now - self.start,
+                    time=now,
                     failures=self.failures, rollbacks=self.rollbacks,
                     iterations=self.iterations, attempts=self.attempts + 1,
                     iteration_s=self.median_iteration(), **fields)

@@ -104,9 +104,9 @@ def test_job_totals_line_and_prediction():
     p = goodput_view.predicted(t, 1)
     assert 0 < p["goodput"] < 1 and p["restart_s"] > 0
     assert "planner:" in goodput_view.table(t, 1)
-    assert goodput.latest([{"event": "goodput", "rank": 0, "run": "x", "time": 1, **recs[0]},
-                           {"event": "goodput", "rank": 0, "run": "x", "time": 2,
-                            **recs[1]}])["x"][0]["time"] == 2
+    assert goodput.latest([{"event": "goodput", "rank": 0, "run": "x", **recs[0], "time": 1},
+                           {"event": "goodput", "rank": 0, "run": "x", **recs[1],
+                            "time": 2}])["x"][0]["time"] == 2
 
 
 def _rows(busy: list[float], n: int = 5) -> list[list[float]]:
