@@ -128,7 +128,7 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_one_loaded(tmp_path, ref
                      f"iter_0000004/{INDEX}": 0o600}, modes
     shard, _ = flip_bit_of_element(os.path.join(save, "iter_0000004"), ".exp_avg_sq",
                                    element=7, bit=30)
-    run = torchrun(4, LAYOUT + ["--save", save, "--load", save]).check()
+    run = torchrun(4, LAYOUT + ["--save", save, "--load", save, "--save-interval", "2"]).check()
     bad = os.path.join(save, "iter_0000004", shard)
     assert f"checkpoint {save}/iter_0000004 refused: {bad}: SHA-256 differs" in run.output
     assert f"loading {save}/iter_0000002 instead" in run.output, run.output[-3000:]
