@@ -14,6 +14,7 @@ from reft_ext.cluster import groups
 from tests.harness.compare import same_state
 from tests.harness.oracle import with_final_checkpoint
 from tests.harness import events as ev
+from tests.harness.goodput import assert_goodput_adds_up
 from tests.harness.recovery import N, reft
 from tests.harness.run import LAYOUTS, TINY, events_file, parse
 
@@ -101,6 +102,9 @@ def test_crash_then_a_failure_during_the_recovery(tmp_path, reference_runs):
     # restored snapshot's, checksum equal to the owner's), nothing was shipped again
     last = {e["rank"]: e for e in run.events_of("aor_initialized")}
     assert sorted(last) == [0, 1, 2, 3] and all(e["kept"] for e in last.values()), last
+    # goodput: the survivors' ledgers lived through both failures, the replacements went
+    # on from their ranks' records; every rank's categories add up
+    assert_goodput_adds_up(run, ranks=4, failures=2, attempts=2)
     assert_exact(run, ref)
 
 
