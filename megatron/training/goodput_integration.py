@@ -37,7 +37,6 @@ class GoodputTracker:
         self.carried = False
         self.every = max(1, getattr(args, "reft_snapshot_every", 0) or 1)
         self.per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        self.report: dict | None = None  # the last exchange's (TensorBoard)
         self.exchange_s, self.exchanges = 0.0, 0  # what detection costs this rank
         self._speaks = False  # the first rank of its data-parallel group (the lines)
 
@@ -131,16 +130,11 @@ class GoodputTracker:
                           ratio=rep["ratio"], group=members,
                           busy_ms=[round(1000 * (r[0] + r[1]), 3) for r in rows])
         th = self.cfg.straggler_threshold
-        for info in rep["named"]:
-            text = stragglers.named_text(info, th, self._node(info["rank"]))
-            if self._speaks:
-                events.emit("straggler", text, **info, node=self._node(info["rank"]),
-                            iteration=it)
-        for info in rep["cleared"]:
-            text = stragglers.cleared_text(info, th, self._node(info["rank"]))
-            if self._speaks:
-                events.emit("straggler_cleared", text, **info,
-                            node=self._node(info["rank"]), iteration=it)
+        for event, info, say in ([("straggler", i, stragglers.named_text) for i in rep["named"]]
+                                 + [("straggler_cleared", i, stragglers.cleared_text)
+                                    for i in rep["cleared"]] if self._speaks else []):
+            node = self._node(info["rank"])
+            events.emit(event, say(info, th, node), **info, node=node, iteration=it)
         if writer is not None and rep["slowest"] is not None:
             writer.add_scalar("stragglers/slowest-ratio", rep["ratio"], it)
             writer.add_scalar("stragglers/slowest-rank", rep["slowest"], it)
@@ -148,7 +142,6 @@ class GoodputTracker:
             named = [v["cost_s"] for v in self.detector.named.values()]
             writer.add_scalar("stragglers/cost-ms-per-iteration",
                               1000.0 * max(named, default=0.0), it)
-        self.report = rep
 
     def _record(self, state, **extra) -> dict:
         rec = self.ledger.record(run=state.extra.get("run_id"), iteration=state.iteration,
