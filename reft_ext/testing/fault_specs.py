@@ -118,7 +118,7 @@ MODES = ("", "node", "snapshot", "shm-full", CORRUPT_SEND, SLOW, *CORRUPT_MODES)
 # the moments, in the order of an iteration (docstring above)
 SEAM_PHASES = ("forward", "backward", "send", "recv")  # through megatron-core's timers
 SAVE_PHASES = ("save", "save-tracker", "save-done", "save-async")
-TRAINER_PHASES = (*SEAM_PHASES, "step", *SAVE_PHASES, "health")
+TRAINER_PHASES = (*SEAM_PHASES, "step", *SAVE_PHASES, "health", "join", "data")
 LIBRARY_PHASES = ("has-copy", "snapshot-write", "commit", "aor", "load-read",
                   "load-exchange", "load-rebuild", "flush", "on-start")
 # moments of a start (or an in-process restart's rejoin): ITER 0 allowed (a fresh start)
