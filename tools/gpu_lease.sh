@@ -16,9 +16,11 @@
 #  3. tools/gpu_smoke.sh with GPU_LEASE_ITERS iterations (default 30): a failure-free
 #     run, a crash + REFT-load, the final states compared bit for bit;
 #
-# and, when asked (they do not fit the 8 minutes): GPU_LEASE_TESTS=1 the CUDA tests
-# (kernel parity, device staging, the trainer's GPU path, AOR's D2H), GPU_LEASE_MULTIRANK=1
-# several ranks sharing the GPU (tools/gpu_multirank.py). Each step runs under its own
+# and, between 2 and 3, each while what is left of the budget still holds it beside the
+# smoke (else a line says it was skipped): several ranks sharing the GPU
+# (tools/gpu_multirank.py; GPU_LEASE_MULTIRANK=0 skips it), then the CUDA tests (kernel
+# parity, device staging, the trainer's GPU path, AOR's D2H; GPU_LEASE_TESTS=0 skips
+# them). Each step runs under its own
 # time limit, cut to what is left of the budget, so one that hangs cannot take the
 # others with it. Logs and tables go to $OUT (default runs/gpu-lease); a summary last.
 # Record its tables, dated, in docs/gpu.md.
@@ -58,6 +60,15 @@ bounded() {
     [ $rc -eq 124 ] && echo "(killed after $limit s)" >>"$log"
     return $rc
 }
+SMOKE_LIMIT=200
+# fits NAME LIMIT: whether LIMIT seconds are left beside the smoke's; says so when not
+fits() {
+    [[ $DRY == 1 ]] && return 0
+    local left=$(( BUDGET - ($(date +%s) - T0) - SMOKE_LIMIT ))
+    (( left >= $2 )) && return 0
+    note "$1: skipped ($left s of the budget left beside the smoke, it takes up to $2 s)"
+    return 1
+}
 # median iteration time of a trainer log after the first SKIP iterations (warm-up)
 median_ms() {
     grep -o 'elapsed time per iteration (ms): [0-9.]*' "$1" | awk -F': ' -v skip="$2" \
@@ -65,7 +76,7 @@ median_ms() {
         if (NR) print a[int((NR + 1) / 2)]; else print "n/a" }'
 }
 
-# ---- several ranks on one GPU (issue 51; GPU_LEASE_MULTIRANK=1 runs it) -----------------
+# ---- several ranks on one GPU (issue 51; GPU_LEASE_MULTIRANK=0 skips it) -----------------
 # tools/gpu_multirank.py: 2 nodes x 2 ranks sharing the GPU over gloo (device tensors,
 # megatron/training/gloo_device.py stages what gloo cannot do on them), TP2 x DP2 ZeRO-1:
 # a failure-free reference, a lost node under arc,aor and under aec,aor (REFT-load's H2D
@@ -77,7 +88,8 @@ multi_rank_step() {
         "$PY" tools/gpu_multirank.py --dry-run --out "$dir"
         return
     fi
-    [[ ${GPU_LEASE_MULTIRANK:-0} == 1 ]] || return
+    [[ ${GPU_LEASE_MULTIRANK:-1} == 1 ]] || return
+    fits "several ranks on one GPU" 240 || return
     step "several ranks on one GPU (tools/gpu_multirank.py)"
     rm -rf /dev/shm/reft-* "$dir" 2>/dev/null
     bounded 240 "$OUT/multirank.log" "$PY" tools/gpu_multirank.py --out "$dir" --timeout 90
@@ -121,14 +133,6 @@ bounded 100 "$OUT/pipeline.log" "$PY" tools/gpu_pipeline_check.py --gib 1 --thre
 note "pipeline check: exit $? (pipeline.log)"
 [[ $DRY == 1 ]] || cat "$OUT/pipeline.log"
 
-if [[ ${GPU_LEASE_TESTS:-0} == 1 || $DRY == 1 ]]; then
-    step "CUDA tests"
-    bounded 150 "$OUT/gpu_tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
-        tests/unit/test_csrc_copy.py tests/unit/test_csrc_xor.py tests/unit/test_csrc_shm.py \
-        tests/gpu tests/unit/test_gpu_trainer_path.py tests/unit/test_aor_gpu_path.py
-    note "CUDA tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" 2>/dev/null | tail -1)"
-fi
-
 MODEL=${GPU_LEASE_MODEL:-llama2-1.3b}
 if [ "$MODEL" != none ]; then
     step "$MODEL: no snapshot, then a snapshot every iteration at N = ${GPU_LEASE_THREADS:-2 4}"
@@ -142,7 +146,7 @@ if [ "$MODEL" != none ]; then
         [[ $DRY == 1 ]] || rm -rf /dev/shm/reft-* 2>/dev/null
         if [ "$run" = snap0 ]; then extra=(--reft-snapshot-every 0); log=big_snap0
         else extra=(--reft-snapshot-every 1 --reft-device-readahead 16); log=big_n$run; fi
-        bounded 110 "$OUT/$log.log" env REFT_COPY_THREADS="${run#snap}" "$PY" -m torch.distributed.run \
+        bounded 110 "$OUT/$log.log" env REFT_COPY_THREADS="${run#snap}" "$PY" -m reft_ext.cluster.torchrun \
             --standalone --nproc-per-node 1 pretrain_llama.py "${BIG[@]}" "${extra[@]}" --reft-schedule has
         [[ $DRY == 1 ]] && continue
         note "$MODEL ${extra[*]} REFT_COPY_THREADS=${run#snap}: median iteration $(median_ms "$OUT/$log.log" 3) ms"
@@ -150,7 +154,15 @@ if [ "$MODEL" != none ]; then
     done
 fi
 
-multi_rank_step  # when asked: after the save-speed steps, before the smoke
+multi_rank_step  # after the save-speed steps, before the smoke, while the budget holds it
+if [[ ${GPU_LEASE_TESTS:-1} == 1 ]] && fits "CUDA tests" 150; then
+    step "CUDA tests"
+    bounded 150 "$OUT/gpu_tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
+        tests/unit/test_csrc_copy.py tests/unit/test_csrc_xor.py tests/unit/test_csrc_shm.py \
+        tests/gpu tests/unit/test_gpu_trainer_path.py tests/unit/test_aor_gpu_path.py
+    note "CUDA tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" 2>/dev/null | tail -1)"
+fi
+
 
 step "tools/gpu_smoke.sh, $ITERS iterations (a crash at $((ITERS / 2)), bit-identical recovery)"
 if [[ $DRY == 1 ]]; then
@@ -160,7 +172,7 @@ if [[ $DRY == 1 ]]; then
 fi
 rm -rf /dev/shm/reft-* 2>/dev/null
 PYTHON="$PY" GPU_SMOKE_ITERS="$ITERS" GPU_SMOKE_FAULT_ITER=$((ITERS / 2)) \
-    GPU_SMOKE_DIR=runs/gpu-smoke bounded 200 "$OUT/smoke.log" tools/gpu_smoke.sh "$OUT/table.md"
+    GPU_SMOKE_DIR=runs/gpu-smoke bounded $SMOKE_LIMIT "$OUT/smoke.log" tools/gpu_smoke.sh "$OUT/table.md"
 note "smoke exit $? (table.md, smoke.log)"
 tar -czf "$OUT/smoke_logs.tgz" runs/gpu-smoke/*.log 2>/dev/null
 

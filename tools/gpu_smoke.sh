@@ -86,7 +86,7 @@ COMMON=(--model-size tiny --micro-batch-size 4 --global-batch-size $((4 * NPROC)
         --reft-ranks-per-node "$NPROC" --log-params-hash)
 train() {  # train LOG MAX_RESTARTS TRAINER_ARGS...
     local log=$1 restarts=$2; shift 2
-    run "$log" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    run "$log" "$PY" -m reft_ext.cluster.torchrun --standalone --nproc-per-node "$NPROC" \
         --max-restarts "$restarts" pretrain_llama.py "${COMMON[@]}" "$@"
 }
 FAILED=()

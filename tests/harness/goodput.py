@@ -28,8 +28,9 @@ def assert_goodput_adds_up(run, ranks: int, failures: int, attempts: int | None 
     assert job == failures, [r["failures"] for r in finals.values()]
     if attempts is not None:
         assert max(r["attempts"] for r in finals.values()) == attempts, finals
-    if failures:  # some rank detected, rejoined and restored
-        for cat in ("detection", "rejoin", "restore"):
+    if failures:  # some rank rejoined and restored (detection may be booked as kept
+        # iterations: a restore newer than the last record moves the gap to productive)
+        for cat in ("rejoin", "restore"):
             assert any(r["seconds"][cat] > 0 for r in finals.values()), (cat, finals)
         assert all(sum(r["seconds"][c] for c in FAILURE) > 0 for r in finals.values())
     line = [ln for ln in run.output.splitlines() if "[REFT] goodput: " in ln]

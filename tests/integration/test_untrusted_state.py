@@ -121,7 +121,7 @@ def test_fault_modes_parse_and_the_unknown_mode_lists_them():
     for mode in ("corrupt-replica", "corrupt-manifest", "corrupt-committed"):
         assert parse_fault_spec(f"1:3:CONT:{mode}").mode == mode
     with pytest.raises(FaultSpecError, match=r"unknown mode 'flip' \(node, snapshot, shm-full, "
-                                             r"corrupt-send, corrupt, corrupt-replica, "
+                                             r"corrupt-send, slow, corrupt, corrupt-replica, "
                                              r"corrupt-manifest, corrupt-committed\)"):
         parse_fault_spec("1:3:KILL:flip")
 
