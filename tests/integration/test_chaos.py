@@ -19,6 +19,8 @@ flipped-byte tests checked (both now in the slow tier)."""
 
 import json
 
+import pytest
+
 from tests.harness.recovery import N
 from tests.harness.run import LAYOUTS, TINY
 from tools import chaos
@@ -32,6 +34,7 @@ FLAGS = ["--seed", str(SEED), "--faults", "6", "--faults-per-run", "3", "--iters
          "ext-node"]
 
 
+@pytest.mark.slow  # ~2.5 min on 2 cores: make test-all and make chaos run campaigns
 def test_seeded_campaign_recovers_every_fault_bit_exact(tmp_path, reference_runs):
     opts = chaos.options(FLAGS + ["--work-dir", str(tmp_path), "--out",
                                   str(tmp_path / "chaos.json")])
