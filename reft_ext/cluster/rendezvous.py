@@ -228,8 +228,10 @@ def worker_store_kwargs(timeout: datetime.timedelta) -> dict:
         store = torch.distributed.TCPStore(addr, port, is_master=False, timeout=timeout,
                                            wait_for_workers=False)
     # torchrun (2.13) shares its agent's store across restarts without a per-attempt
-    # prefix: gloo would read the previous attempt's (dead) peer addresses
-    scope = f"reft/attempt_{attempt}"
+    # prefix: gloo would read the previous attempt's (dead) peer addresses. A store of
+    # our own is new each round; there the restart count must not name it: a spare
+    # node's fresh agent counts from 0 while a survivor's counts its restarts
+    scope = f"reft/attempt_{attempt}" if shared else "reft/workers"
     store = torch.distributed.PrefixStore(scope, store)
     if secret is not None:
         store = SignedStore(store, secret, f"{env['TORCHELASTIC_RUN_ID']}/{scope}")
