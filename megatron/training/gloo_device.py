@@ -98,8 +98,6 @@ def staged(fn, predicate=_on_device):
 def install() -> list[str]:
     """Stage the collectives of :data:`STAGED` (torch.distributed and megatron-core's
     aliases of them); idempotent. Returns what was staged."""
-    import importlib
-
     done = []
     for name in STAGED:
         fn = getattr(dist, name, None)
@@ -109,32 +107,31 @@ def install() -> list[str]:
             _originals[name] = fn
             setattr(dist, name, staged(fn))
         done.append(name)
-    by_original = {id(f): getattr(dist, n) for n, f in _originals.items()}
+    done += _swap_aliases({id(f): getattr(dist, n) for n, f in _originals.items()})
+    return done
+
+
+def _swap_aliases(replace: dict) -> list[str]:
+    """Point each alias of :data:`ALIASES` whose current function is a key of ``replace``
+    (by id) at its value; the aliases swapped."""
+    import importlib
+
+    done = []
     for module, attr in ALIASES:
         try:
             mod = importlib.import_module(module)
         except ImportError:
             continue
         current = getattr(mod, attr, None)
-        if current is not None and id(current) in by_original:
-            setattr(mod, attr, by_original[id(current)])
+        if current is not None and id(current) in replace:
+            setattr(mod, attr, replace[id(current)])
             done.append(f"{module}.{attr}")
     return done
 
 
 def uninstall() -> None:
     """Put the originals back (tests)."""
-    import importlib
-
-    staged_of = {id(getattr(dist, n)): f for n, f in _originals.items()}
-    for module, attr in ALIASES:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        current = getattr(mod, attr, None)
-        if current is not None and id(current) in staged_of:
-            setattr(mod, attr, staged_of[id(current)])
+    _swap_aliases({id(getattr(dist, n)): f for n, f in _originals.items()})
     for name, fn in _originals.items():
         setattr(dist, name, fn)
     _originals.clear()
