@@ -94,6 +94,10 @@ class Session(abc.ABC):
     @abc.abstractmethod
     def on_exit(self, state) -> None: ...
     @abc.abstractmethod
+    def commit_in_flight(self) -> None:
+        """Finish and commit the snapshot in flight now (collective: every rank calls
+        it at the same iteration; a straggler swap takes its restart right after)."""
+    @abc.abstractmethod
     def abandon(self) -> None:
         """This generation failed (in-process restart): stop without committing."""
     @abc.abstractmethod
@@ -166,6 +170,9 @@ class DisabledSession(_Trace, Session):
         pass
 
     def on_exit(self, state) -> None:
+        pass
+
+    def commit_in_flight(self) -> None:
         pass
 
     def abandon(self) -> None:
@@ -522,6 +529,9 @@ class ReftSession(_Trace, Session):
         if self.adapter.rank == 0 and self.cfg.enabled:
             reft_print(self.summary(state))
         self.close()
+
+    def commit_in_flight(self) -> None:
+        self.snap.flush()
 
     def abandon(self) -> None:
         """In-process restart (reft_ext/cluster/inprocess.py): this generation failed.

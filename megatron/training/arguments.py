@@ -436,6 +436,12 @@ def _validate_zeropp(args):
               "add --reft-restart process")
 
 
+def _supervised() -> bool:
+    from reft_ext.cluster import inprocess
+
+    return inprocess.enabled()
+
+
 def _validate_reft(args):
     from reft_ext.config import ReftConfig, ReftConfigError
     from reft_ext.cluster.health_config import HealthConfig
@@ -447,7 +453,10 @@ def _validate_reft(args):
         rollback = RollbackConfig.from_args(args)
         from reft_ext.cluster.straggler_config import StragglerConfig
 
-        StragglerConfig.from_args(args)  # its flags' checks (one line naming the flag)
+        swap = StragglerConfig.from_args(args).swap_problem(  # its flags' checks
+            cfg, args.reft_restart == "in-process", _supervised())
+        if swap:
+            raise ReftConfigError(f"--reft-replace-stragglers: {swap}")
     except ReftConfigError as exc:
         raise ArgumentError(str(exc)) from None
     nodes = args.world_size // max(1, cfg.ranks_per_node)

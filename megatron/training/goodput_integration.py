@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from megatron.training.straggler_swap import SwapControl
 from reft_ext.cluster import stragglers
 from reft_ext.cluster.straggler_config import StragglerConfig
 from reft_ext.plan import measured_goodput as goodput_view
@@ -39,6 +40,11 @@ class GoodputTracker:
         self.per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         self.exchange_s, self.exchanges = 0.0, 0  # what detection costs this rank
         self._speaks = False  # the first rank of its data-parallel group (the lines)
+        self._pending = None  # the exchange in flight: (Exchange, iteration, members, me)
+        # --reft-replace-stragglers (megatron/training/straggler_swap.py)
+        self.swap = SwapControl(args, self.per_node) if self.cfg.replace_stragglers \
+            else None
+        self.due_swap: dict | None = None  # the swap to take at the end of this iteration
 
     # ---- what the rank is doing -------------------------------------------------
     def switch(self, category: str) -> None:
@@ -50,13 +56,21 @@ class GoodputTracker:
     def loading(self, start: bool) -> None:
         self.ledger.loading(start)
 
-    def failed(self) -> None:
-        self.ledger.failed()
+    def failed(self, planned: bool = False) -> None:
+        self.ledger.failed(planned)
 
     def recovered(self, iteration: int) -> None:
+        """A new generation: the exchange and agreement in flight went with the old
+        groups; the job's ranks are others (a swap, a replacement): judged anew."""
         self.ledger.restored(iteration)
         if self.clock is not None:
             self.clock.restart()
+        self._pending, self.due_swap = None, None
+        self.detector = stragglers.Detector(self.cfg.straggler_threshold,
+                                            self.cfg.straggler_window,
+                                            self.cfg.straggler_interval)
+        if self.swap is not None:
+            self.swap.restarted()
 
     def rolled_back(self, iteration: int) -> None:
         self.ledger.rolled_back(iteration)
@@ -94,8 +108,13 @@ class GoodputTracker:
     def iteration_done(self, state, writer) -> None:
         it = state.iteration
         self.ledger.end_iteration(it)
+        if self.swap is not None:  # the agreement posted at an earlier exchange
+            self.due_swap = self.swap.poll(it)
+        if self._pending is not None:  # the exchange posted an iteration ago
+            self._observe(*self._pending, writer)
+            self._pending = None
         if self.clock is not None and it % self.cfg.straggler_interval == 0:
-            self._exchange(it, writer)
+            self._post(it)
         if it % self.args.log_interval == 0:
             self._record(state)
             if writer is not None:
@@ -108,16 +127,22 @@ class GoodputTracker:
     def _node(self, rank: int) -> int | None:
         return rank // self.per_node if self.per_node > 0 else None
 
-    def _exchange(self, it: int, writer) -> None:
+    def _post(self, it: int) -> None:
         from megatron.core import parallel_state as mpu
 
         group = mpu.get_data_parallel_group()  # who waits for whom in the gradient sync
-        members = torch.distributed.get_process_group_ranks(group)
         t0 = time.perf_counter()
-        rows = stragglers.exchange(self.clock.window(), group)
+        ex = stragglers.Exchange(self.clock.window(), group)
         self.exchange_s += time.perf_counter() - t0
         self.exchanges += 1
-        me = torch.distributed.get_rank(group)
+        self._pending = (ex, it, torch.distributed.get_process_group_ranks(group),
+                         torch.distributed.get_rank(group))
+
+    def _observe(self, ex, it: int, members: list[int], me: int, writer) -> None:
+        """The rows of the exchange posted at iteration ``it``, judged."""
+        t0 = time.perf_counter()
+        rows = ex.rows()
+        self.exchange_s += time.perf_counter() - t0
         self.ledger.move(PRODUCTIVE, "straggler_wait", stragglers.waited(rows, me))
         rep = self.detector.observe(rows, it)
         for info in rep["named"] + rep["cleared"]:  # the group's index -> global rank
@@ -142,6 +167,14 @@ class GoodputTracker:
             named = [v["cost_s"] for v in self.detector.named.values()]
             writer.add_scalar("stragglers/cost-ms-per-iteration",
                               1000.0 * max(named, default=0.0), it)
+        if self.swap is not None:
+            self.swap.after_exchange({i["rank"]: i for i in self.detector.named.values()},
+                                     me == 0, it)
+
+    def leaving(self, state) -> None:
+        """This rank's node is swapped out: its books for the process that takes over."""
+        self.ledger.switch(self.ledger.current)
+        self._record(state, swapped_out=True)
 
     def _record(self, state, **extra) -> dict:
         rec = self.ledger.record(run=state.extra.get("run_id"), iteration=state.iteration,
@@ -153,6 +186,9 @@ class GoodputTracker:
     def finish(self, state) -> None:
         """Every rank: the final record; rank 0: the job's line (one all_gather_object,
         every rank is here)."""
+        if self._pending is not None:  # every rank posted it: read, not judged
+            self._pending[0].rows()
+            self._pending = None
         self.ledger.switch(self.ledger.current)
         rec = self._record(state, final=True, exchange_s=self.exchange_s,
                            exchanges=self.exchanges)

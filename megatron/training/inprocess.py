@@ -265,9 +265,11 @@ def restart_in_process(trainer, failure: str) -> None:
              f"process", rank=rank, generation=g, why=gen.abort_failure)
         raise RestartError(f"aborting generation {g} in process failed: "
                            f"{gen.abort_failure}")
-    emit("inprocess_abort", f"rank {rank}: generation {g} failed at iteration {at} "
+    planned = failure.startswith("PlannedSwap")  # a straggler's node leaves: no failure
+    emit("inprocess_abort", f"rank {rank}: generation {g} " +
+         ("ends for a straggler swap" if planned else "failed") + f" at iteration {at} "
          f"({reason}); restarting in this process (pid {os.getpid()})", rank=rank,
-         generation=g, iteration=at, reason=reason, pid=os.getpid())
+         generation=g, iteration=at, reason=reason, pid=os.getpid(), planned=planned)
     try:
         reft = getattr(trainer, "reft", None)  # None: the failure came before it opened
         if reft is not None:

@@ -28,9 +28,11 @@ from megatron.training.goodput_integration import GoodputTracker
 from megatron.training.initialize import initialize_megatron
 from megatron.training.arguments import format_args_table
 from megatron.training.signals import ExitSignal
+from megatron.training.straggler_swap import take_swap
 from megatron.training.train_log import TrainLogger
 from megatron.training.train_state import TrainingState, params_hash
 from megatron.training.utils import emit, print_rank_0, process_start_time
+from reft_ext.cluster.straggler_swap import PlannedSwap
 from reft_ext.report.events import record
 from reft_ext.testing import fault_point  # --inject-fault moments (no-op in production)
 from reft_ext.testing.fault_observer import maybe_inject_spike
@@ -413,8 +415,9 @@ class Trainer:
                     failure = None
                 return self._train()
             except Exception as exc:  # noqa: BLE001 - classified by _restartable
+                planned = isinstance(exc, PlannedSwap)  # a straggler's node swapped out
                 failure = self._restartable(exc)
-                self.goodput.failed()
+                self.goodput.failed(planned)
 
     def _train(self) -> TrainingState:
         args, s = self.args, self.state
@@ -465,6 +468,8 @@ class Trainer:
                     self.evaluate()
             if self._should_stop():
                 break
+            if self.goodput.due_swap is not None:  # --reft-replace-stragglers
+                take_swap(self, self.goodput.due_swap, self.goodput.detector.named)
         self._finish()
         return s
 

@@ -92,6 +92,7 @@ class NodePool(Pool):
         self.register_timeout = register_timeout
         self.nodes: dict[int, _Node] = {}
         self.slot_node: dict[int, int] = {}
+        self.retired: set[int] = set()  # nodes swapped out as stragglers (never reused)
         self.handed: dict[int, set[int]] = {}  # node -> worker indices given a rank
         self.exits: dict[str, int] = {}
         self.all: list[_NodeWorker] = []
@@ -126,7 +127,7 @@ class NodePool(Pool):
             f"; spare node(s): {[self.nodes[n].host for n in self._spare_nodes()] or 'none'}")
 
     def _spare_nodes(self) -> list[int]:
-        used = set(self.slot_node.values())
+        used = set(self.slot_node.values()) | self.retired
         return [n for n in sorted(self.nodes) if n not in used and not self.is_lost(self.nodes[n])]
 
     # ---- what happened -------------------------------------------------------------
@@ -223,7 +224,11 @@ class NodePool(Pool):
     def take(self, rank: int) -> Worker:
         slot = rank // self.p
         node = self.nodes[self.slot_node[slot]]
-        if node.lost:
+        if node.n in self.retired and not self._spare_nodes():  # taken meanwhile
+            self.retired.discard(node.n)
+            self.say(f"slot {slot} stays on node {node.host}: no spare node is left to "
+                     f"take it over from the straggler")
+        if node.lost or node.n in self.retired:
             spares = self._spare_nodes()
             if not spares:
                 raise RuntimeError(f"node {node.host} (slot {slot}) is lost and no spare "
@@ -241,6 +246,18 @@ class NodePool(Pool):
 
     def warm(self, w: Worker) -> bool:
         return self.store.check([key("warm", w.wid)])
+
+    def swap_capacity(self) -> int:
+        return len(self._spare_nodes())
+
+    def retire(self, slot: int) -> None:
+        """The slot's node is a straggler: its ranks move whole to a spare node (at
+        :meth:`take`), its own free workers are stopped, and it is never used again."""
+        n = self.slot_node[slot]
+        self.retired.add(n)
+        for k in self._free(self.nodes[n]):
+            self.command(n, op="kill", wid=wid_of(n, k), sig=int(signal.SIGKILL))
+            self.handed[n].add(k)
 
     def refill(self) -> None:
         """Each live node that holds a slot keeps ``spares_per_node`` free workers."""

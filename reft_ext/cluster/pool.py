@@ -81,6 +81,14 @@ class Pool:
         """Had ``w`` finished its imports when it was taken?"""
         raise NotImplementedError
 
+    def swap_capacity(self) -> int:
+        """How many nodes (slots) warm spares can take over now (a straggler swap)."""
+        return 0
+
+    def retire(self, slot: int) -> None:
+        """``slot``'s node left for a spare (a straggler swap): its next workers come
+        from elsewhere."""
+
     def workers(self) -> list[Worker]:
         raise NotImplementedError
 
@@ -173,6 +181,10 @@ class LocalPool(Pool):
         from reft_ext.cluster.inprocess import key
 
         return self.store.check([key("warm", w.wid)])
+
+    def swap_capacity(self) -> int:
+        """Whole nodes' worth of warm spares (one host: a swap takes any of them)."""
+        return sum(self.warm(w) for w in self.spares) // self.cfg.ranks_per_node
 
     def workers(self) -> list[Worker]:
         return list(self.all)

@@ -137,9 +137,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from reft_ext.cluster.inprocess import job_secret, key
+    from reft_ext.cluster.inprocess import ENV_STORE, job_secret, key
 
     secret = job_secret()
+    # under the supervisor from now on (the flag checks of the prepare below ask)
+    os.environ[ENV_STORE] = a.store
     host, port = a.store.rsplit(":", 1)
     store = torch.distributed.TCPStore(host, int(port), is_master=False,
                                        timeout=datetime.timedelta(days=7),

@@ -3,7 +3,8 @@ gradient sync and its optimizer step every iteration (:class:`PhaseClock`); ever
 ``--reft-straggler-interval`` iterations the ranks of each data-parallel group exchange
 the medians of the window (one all-gather of 6 numbers per rank over that group, which
 all-reduces the gradients every iteration anyway; nothing world-wide, and no collective in
-the other iterations), and
+the other iterations; posted without waiting and read an iteration later: :class:`Exchange`),
+and
 :class:`Detector` names a rank whose compute time stays above ``--reft-straggler-threshold``
 times the median of the other ranks for ``--reft-straggler-window`` exchanges in a row, with what it
 costs the job (in a synchronous job every other rank waits for it in the gradient sync).
@@ -94,16 +95,25 @@ class PhaseClock:
         return row
 
 
-def exchange(row: list[float], group=None) -> list[list[float]]:
-    """Every member's row, in the group's rank order (one all-gather over ``group``, the
+class Exchange:
+    """Every member's row, in the group's rank order: one all-gather over ``group`` (the
     data-parallel group: the ranks that wait for each other in the gradient sync; on the
-    device its backend needs)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) \
-        if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(row, dtype=torch.float64, device=dev)
-    out = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(out, mine, group=group)
-    return [t.tolist() for t in out]
+    device its backend needs), posted without waiting and read at :meth:`rows` an
+    iteration later, when it is long complete: no rank waits for the others to arrive
+    (the skew between ranks after the optimizer step was most of a blocking exchange's
+    cost)."""
+
+    def __init__(self, row: list[float], group=None):
+        dev = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
+        mine = torch.tensor(row, dtype=torch.float64, device=dev)
+        self.out = [torch.empty_like(mine)
+                    for _ in range(torch.distributed.get_world_size(group))]
+        self.work = torch.distributed.all_gather(self.out, mine, group=group, async_op=True)
+
+    def rows(self) -> list[list[float]]:
+        self.work.wait()
+        return [t.tolist() for t in self.out]
 
 
 def waited(rows: list[list[float]], rank: int) -> float:

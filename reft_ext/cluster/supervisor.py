@@ -52,6 +52,7 @@ from reft_ext.cluster.inprocess import (key, new_secret, read_signed, set_first,
                                         wake_ranks)
 from reft_ext.cluster.pool import LocalPool, Pool, Worker
 from reft_ext.cluster.startup_watch import StartupWatch, stopped
+from reft_ext.cluster.straggler_swap import exits_are_swaps, publish_capacity
 from reft_ext.report.threads import join_or_warn
 
 # what a warm spare imports while it waits (a cold worker imports the same on its own),
@@ -145,6 +146,7 @@ class Supervisor:
         self.failure = ""
         self.preempted = 0  # the signal of a preemption (preempt): no generation after it
         self.watch = StartupWatch(cfg.hang_timeout)  # each generation's start-up
+        self._capacity = -1  # the spare nodes last published (straggler swaps)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -182,6 +184,10 @@ class Supervisor:
         imports would otherwise take cores from the very recovery it shortens."""
         if all(self._signed(key("trained", self.gen, r), self.gen) for r in self.ranks):
             self.pool.refill()
+        cap = self.pool.swap_capacity()
+        if cap != self._capacity:  # what a straggler swap may take (straggler_swap.py)
+            self._capacity = cap
+            publish_capacity(self.store, self.secret, cap, self.gen)
 
     # ---- life cycle -------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0,
@@ -298,8 +304,17 @@ class Supervisor:
                 break
             self.pool.update(0.02)
         t_ready = time.time()
-        dead = sorted(r for r, w in self.ranks.items() if w.poll() is not None)
-        if len(self.history) >= self.cfg.max_restarts:
+        codes = {r: w.poll() for r, w in self.ranks.items()}
+        dead = sorted(r for r, c in codes.items() if c is not None)
+        # a straggler's node left for a spare (--reft-replace-stragglers): a planned
+        # generation, not a failure (straggler_swap.py)
+        swapped = exits_are_swaps(codes, self.cfg.ranks_per_node)
+        if swapped:
+            reason = how = f"straggler swap: node(s) {swapped} swapped out for a spare"
+            for slot in swapped:
+                self.pool.retire(slot)
+        failures = sum(1 for h in self.history if not h.get("planned"))
+        if not swapped and failures >= self.cfg.max_restarts:
             self.failure = (f"generation {g} failed ({reason}) and --max-restarts "
                             f"{self.cfg.max_restarts} are used up")
             self.returncode = 1
@@ -316,7 +331,8 @@ class Supervisor:
         again = bool(self.history) and self.history[-1].get("how") == how
         self.history.append(dict(generation=self.gen, reason=reason, dead=dead,
                                  warm=warm, workers=where, t_detect=t_detect,
-                                 t_ready=t_ready, t_published=time.time(), how=how))
+                                 t_ready=t_ready, t_published=time.time(), how=how,
+                                 planned=bool(swapped)))
         self.watch.begin(self.gen)
         if again:
             self._say(f"generation {g} failed the same way as generation {g - 1} ({how})")

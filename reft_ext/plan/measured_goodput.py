@@ -43,7 +43,9 @@ def predicted(t: dict, snapshot_every: int = 1) -> dict | None:
     work = sec[PRODUCTIVE] / its * every            # seconds between two snapshots
     cost = sec["snapshot"] / its * every            # REFT's blocking per snapshot
     failures = t["failures"]
-    restart = sum(sec[c] for c in FAILURE if c != "lost") / failures if failures else 0.0
+    # a straggler swap's downtime is booked in the failure categories too
+    restarts = failures + t.get("swaps", 0)
+    restart = sum(sec[c] for c in FAILURE if c != "lost") / restarts if restarts else 0.0
     # per second of the time the model covers (a failure cannot strike start-up or a
     # save in its terms): the job's own rate, its recoveries included
     rate = failures / max(1e-9, sum(sec[c] for c in MODELLED))
@@ -63,7 +65,9 @@ def line(t: dict, snapshot_every: int = 1) -> str:
             f"({t['ranks']} ranks, {t['attempts']} process attempt"
             f"{'s' if t['attempts'] != 1 else ''}, {t['failures']} failure"
             f"{'s' if t['failures'] != 1 else ''}, {t['rollbacks']} rollback"
-            f"{'s' if t['rollbacks'] != 1 else ''}, {t['iterations']} iterations kept): "
+            f"{'s' if t['rollbacks'] != 1 else ''}, " +
+            (f"{t['swaps']} straggler swap{'s' if t['swaps'] != 1 else ''}, "
+             if t.get("swaps") else "") + f"{t['iterations']} iterations kept): "
             f"{parts}; categories sum to {booked:.2f} s")
     p = predicted(t, snapshot_every)
     if p is not None:

@@ -54,6 +54,7 @@ class Ledger:
         self.current, self.since = category, start
         self.recent: dict[int, float] = {}  # iteration -> its productive seconds
         self.failures = self.rollbacks = self.iterations = self.attempts = 0
+        self.swaps = 0  # planned restarts that put a spare in a straggler's place
         self.first_pending = False   # the next iteration is the first after a failure
         self._begin: dict | None = None  # the totals when the iteration in flight began
         self._first: tuple[int, str] | None = None  # a first iteration, its excess unbooked
@@ -148,12 +149,17 @@ class Ledger:
         self.rollbacks += 1
         self.switch(PRODUCTIVE)
 
-    def failed(self) -> None:
+    def failed(self, planned: bool = False) -> None:
         """A failure reached this rank (in-process restart): from the last completed
-        iteration to now is its detection; leaving the generation (abort) begins."""
+        iteration to now is its detection; leaving the generation (abort) begins.
+        ``planned``: a straggler swap, not a failure (its downtime is booked the same
+        way, counted as a swap)."""
         self.switch("detection")
         self._partial("detection")
-        self.failures += 1
+        if planned:
+            self.swaps += 1
+        else:
+            self.failures += 1
         self.switch("abort")
 
     def restored(self, iteration: int) -> None:
@@ -177,7 +183,7 @@ class Ledger:
         # attempt's books
         return dict(seconds=self.totals(now), start=self.start, wall=now - self.start,
                     time=now,
-                    failures=self.failures, rollbacks=self.rollbacks,
+                    failures=self.failures, rollbacks=self.rollbacks, swaps=self.swaps,
                     iterations=self.iterations, attempts=self.attempts + 1,
                     iteration_s=self.median_iteration(), **fields)
 
@@ -201,7 +207,10 @@ class Ledger:
                 self.seconds[cat] += float(s)
         self.seconds["detection"] += max(0.0, t0 - rec)
         self.start = float(prev.get("start", t0))
-        self.failures += int(prev.get("failures", 0)) + 1
+        # the process it goes on from left for a straggler swap, or failed
+        swapped = bool(prev.get("swapped_out"))
+        self.failures += int(prev.get("failures", 0)) + (0 if swapped else 1)
+        self.swaps += int(prev.get("swaps", 0)) + (1 if swapped else 0)
         self.rollbacks += int(prev.get("rollbacks", 0))
         self.attempts = int(prev.get("attempts", 1))
         done, per = int(prev.get("iteration") or 0), prev.get("iteration_s") or 0.0
@@ -268,6 +277,7 @@ def job_totals(records: list[dict]) -> dict:
     return dict(seconds=sec, wall=sum(float(r["wall"]) for r in records) / n,
                 failures=max((int(r.get("failures", 0)) for r in records), default=0),
                 rollbacks=max((int(r.get("rollbacks", 0)) for r in records), default=0),
+                swaps=max((int(r.get("swaps", 0)) for r in records), default=0),
                 iterations=max((int(r.get("iterations", 0)) for r in records), default=0),
                 attempts=max((int(r.get("attempts", 1)) for r in records), default=1),
                 ranks=len(records))

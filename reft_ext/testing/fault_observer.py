@@ -58,6 +58,10 @@ class FaultObserver:
         self.reft = None          # ReftFaults, once REFT's session is open
         self.shm_full = False     # the next shared-memory reservation fails (shm-full)
         self.flip_send = False    # REFT-load payloads sent are damaged (corrupt-send)
+        # a process the in-process supervisor started for a later generation took the
+        # rank over (on a cluster: another machine, a swap's spare): the slowness of a
+        # ``slow`` fault was the machine's it replaced, not the rank's
+        self.replacement = int(os.environ.get("REFT_GENERATION", "0") or 0) > 0
 
     def wants(self, phase: str, att: int | None = None) -> bool:
         """Is a spec of this phase still to fire (on attempt ``att``, default this
@@ -91,8 +95,9 @@ class FaultObserver:
 
     def slow_factor(self, iteration) -> float | None:
         """Mode ``slow``: the factor of a spec whose ITER is reached (any attempt: a slow
-        node stays slow), its ``[FAULT]`` line and event the first time."""
-        for spec in self.specs:
+        node stays slow; not in a replacement process), its ``[FAULT]`` line and event
+        the first time."""
+        for spec in self.specs if not self.replacement else ():
             if spec.mode == SLOW and iteration is not None and iteration >= spec.iteration:
                 if spec not in self.fired:
                     self.fired.add(spec)

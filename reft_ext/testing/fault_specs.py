@@ -91,7 +91,10 @@ MODE:
   factor F, not ATTEMPT (``RANK:ITER:CONT:slow:F``, F > 1, default 2): from iteration
   ITER on, on every attempt, the rank sleeps F - 1 times its forward-backward compute
   before each gradient sync, a straggler that is F times slower
-  (reft_ext/cluster/stragglers.py; its ``[FAULT]`` line comes once, at ITER).
+  (reft_ext/cluster/stragglers.py; its ``[FAULT]`` line comes once, at ITER). The
+  slowness is the machine's: a process the in-process supervisor starts for the rank in
+  a later generation (a spare swapped in by ``--reft-replace-stragglers``, a crash's
+  replacement) is not slow.
 
 With SIGNAL ``CONT`` (a signal that does not stop the process) a corrupt mode only
 corrupts: the rank trains on, and the damage lies in host memory until a later
