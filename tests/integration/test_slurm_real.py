@@ -230,3 +230,29 @@ def test_in_process_losing_the_stores_node_ends_the_job_cleanly(slurm, tmp_path)
                  faults=[(r"\[FAULT\] injecting SIGSTOP into rank 0 ",
                           lambda j: lose_node(j, local_slurm.node_name(1), 0))])
     assert job.rc != 0 and "training completed" not in job.output, job.output[-4000:]
+
+
+@pytest.mark.slow  # the default tier: test_straggler_swap.py on one host
+def test_in_process_slow_node_is_swapped_for_the_spare_node(slurm, reference, tmp_path):
+    """3 nodes, one a spare: rank 1 (node 2) is made 4x slower from iteration 2. It is
+    named, the job agrees on swapping its node, and right after a committed snapshot its
+    rank leaves for the spare node's warm worker, which restores the committed iteration
+    (from its slot's shared memory: the nodes of this Slurm share one host's /dev/shm; on
+    a cluster from its peer's ARC replica, as test_in_process_frozen_rank_then_lost_node
+    shows); rank 0 stays in its process; the slow node is never used again; exact."""
+    job = sbatch(slurm, tmp_path, "--nodes=3", SPARE_NODES="1",
+                 EXTRA_ARGS=EXTRA + " --reft-straggler-interval 2 --reft-straggler-window 2"
+                                    " --reft-replace-stragglers --inject-fault 1:2:CONT:slow:4")
+    out = job.output
+    assert "[FAULT] slowing rank 1 (pid" in out
+    assert re.search(r"\[REFT\] straggler swap: node 1 \(rank\(s\) 1-1", out), out[-6000:]
+    assert "slot 1 (ranks 1-1) moves to spare node reftnode3" in out, out[-6000:]
+    assert re.search(r"generation 1: rank\(s\) \[1\] replaced by worker\(s\) \['2\.\d'\] "
+                     r"\(1 warm; straggler swap", out), out[-6000:]
+    run = job.run()
+    (swap,) = run.events_of("straggler_swap")
+    assert len({e["pid"] for e in run.events_of("inprocess_restart", rank=0)}) == 1
+    assert re.search(rf"2: \[REFT\] recovered iteration {swap['iteration']} on rank 1 "
+                     rf"from (own memory|ARC replica)", out), out[-6000:]
+    assert not [e for e in run.events_of("straggler") if e["iteration"] > swap["iteration"]]
+    assert_bit_exact(job, reference)
