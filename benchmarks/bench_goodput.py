@@ -46,7 +46,7 @@ def run(nproc: int, args: list[str], restarts: int) -> tuple[list[dict], float, 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO,
                **{ev.ENV: events})
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
            os.path.join(REPO, "pretrain_llama.py"), *TINY,
            "--global-batch-size", str(2 * nproc), *args]

@@ -189,6 +189,8 @@ class GoodputTracker:
         if self._pending is not None:  # every rank posted it: read, not judged
             self._pending[0].rows()
             self._pending = None
+        if self.swap is not None:  # the same for a proposal in flight
+            self.swap.agreement.collect()
         self.ledger.switch(self.ledger.current)
         rec = self._record(state, final=True, exchange_s=self.exchange_s,
                            exchanges=self.exchanges)

@@ -26,7 +26,6 @@ class SwapControl:
         self.every = max(1, getattr(args, "reft_snapshot_every", 0) or 1)
         self.train_iters = args.train_iters
         self.agreement = swap.Agreement()
-        self.swapped: set[int] = set()  # nodes swapped out, as this process saw it
         self.due: dict | None = None    # the agreed swap: node, iteration
         self._no_spare_said = False
 
@@ -45,7 +44,7 @@ class SwapControl:
             return
         node = None
         if speaks:
-            best = swap.candidate(named, self.node_of, self.swapped)
+            best = swap.candidate(named, self.node_of)
             if best is not None:
                 if self._capacity() >= 1:
                     node = best[0]
@@ -93,7 +92,6 @@ def take_swap(trainer, due: dict, detector_named: dict[int, dict]) -> None:
 
     gen = generation()
     swap.past_commit(gen, rank)
-    ctl.swapped.add(node)
     ctl.due = None
     if rank == ranks[0]:
         info = detector_named.get(rank) or next(

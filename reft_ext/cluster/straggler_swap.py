@@ -68,16 +68,14 @@ def exits_are_swaps(codes: dict[int, int | None], ranks_per_node: int) -> list[i
 
 
 # ---- the ranks' side -----------------------------------------------------------------------
-def candidate(named: dict[int, dict], node_of, swapped: set[int]) -> tuple[int, dict] | None:
-    """(node, what was said of it) of the slowest named rank whose node has not been
-    swapped out already in this process's view, or None."""
+def candidate(named: dict[int, dict], node_of) -> tuple[int, dict] | None:
+    """(node, what was said of it) of the slowest named rank, or None. A node swapped
+    out before may be proposed again: its slot holds the spare now, judged afresh (the
+    detector starts over after every restart); the spares bound how often."""
     best = None
     for rank, info in named.items():
-        node = node_of(rank)
-        if node in swapped:
-            continue
         if best is None or info["ratio"] > best[1]["ratio"]:
-            best = (node, info)
+            best = (node_of(rank), info)
     return best
 
 

@@ -25,12 +25,11 @@ from reft_ext.testing.fault_specs import parse_fault_spec
 EXIT = swap.EXIT_SWAPPED
 
 
-def test_the_slowest_named_rank_not_yet_swapped_is_proposed():
+def test_the_slowest_named_rank_is_proposed():
     named = {1: dict(ratio=2.0), 3: dict(ratio=3.0), 5: dict(ratio=1.8)}
     node_of = lambda r: r // 2  # noqa: E731
-    assert swap.candidate(named, node_of, set()) == (1, named[3])
-    assert swap.candidate(named, node_of, {1}) == (0, named[1])
-    assert swap.candidate({}, node_of, set()) is None
+    assert swap.candidate(named, node_of) == (1, named[3])
+    assert swap.candidate({}, node_of) is None
 
 
 @pytest.mark.parametrize("codes,per_node,slots", [
