@@ -21,7 +21,10 @@ restart meets the next fault:
 * from outside, at a random wall-clock moment (a random fraction of an iteration after
   a random iteration's log line): SIGKILL or SIGSTOP of a random worker found in
   torchrun's process tree, or a lost node (its watcher and worker SIGKILLed, its
-  /dev/shm directory removed).
+  /dev/shm directory removed);
+* beside them (``--slow-share``), a straggler: a random rank twice as slow from a random
+  iteration on, on every attempt (``RANK:ITER:CONT:slow:2``); it stops nothing, it must
+  change no bit, and the line says whether straggler detection named it.
 
 Each job run is then compared with the reference: every rank's final state hash
 ([HASH]), every later loss ([LOSSES], bit for bit) and every iteration's logged loss of
@@ -59,8 +62,8 @@ from reft_ext.report.progress import Progress  # noqa: E402
 from tests.harness.run import parse  # noqa: E402
 from tools.chaos_plan import (  # noqa: E402,F401 (the phase sets: tests read them here)
     ARMED_PHASES, EXTERNAL_KINDS, INTERNAL_KINDS, KINDS, RESTART_PHASES, SAVE_PHASES,
-    TERMINAL_PHASES, WATCHER_KINDS, Fault, RunPlan, available_phases, layout_of,
-    plan_campaign)
+    STRAGGLER_KINDS, TERMINAL_PHASES, WATCHER_KINDS, Fault, RunPlan, available_phases,
+    layout_of, plan_campaign)
 from tools.chaos_report import finish, report_run  # noqa: E402
 from tools.chaos_run import JobOutput, base_args, cleanup_shm, fault_args, run_job  # noqa: E402
 from tools.chaos_verdicts import analyze, iteration_losses  # noqa: E402
@@ -203,10 +206,12 @@ def parser() -> argparse.ArgumentParser:
                    metavar="LAYOUT:PROTECT[:nosave]",
                    help=f"job runs go round these (default {' '.join(DEFAULT_LAYOUTS)}); "
                         f"nosave: no persistent checkpoints in that layout's runs")
-    p.add_argument("--kinds", nargs="+", default=list(INTERNAL_KINDS + EXTERNAL_KINDS),
+    p.add_argument("--kinds", nargs="+",
+                   default=list(INTERNAL_KINDS + EXTERNAL_KINDS + STRAGGLER_KINDS),
                    choices=KINDS, metavar="KIND",
                    help=f"fault kinds drawn from (default all; watcher-kill goes beside "
-                        f"a kill while the phase flush is drawn, --flush-share): "
+                        f"a kill while the phase flush is drawn, --flush-share; slow, a "
+                        f"straggler, beside a run's faults, --slow-share): "
                         f"{', '.join(KINDS)}")
     p.add_argument("--phases", nargs="+", default=None, metavar="PHASE",
                    help="phases drawn from for faults inside the processes (default every "
@@ -216,6 +221,9 @@ def parser() -> argparse.ArgumentParser:
                    help="share of faults sent from outside (default 0.25)")
     p.add_argument("--flush-share", type=float, default=0.2,
                    help="chance that a kill also kills a watcher mid-flush (phase flush)")
+    p.add_argument("--slow-share", type=float, default=0.25,
+                   help="chance that a job run also has a straggler (kind slow: a rank 2x "
+                        "slower from a random iteration on; default 0.25)")
     p.add_argument("--iters", type=int, default=0,
                    help="iterations of every job run (default 4 + 3 x --faults-per-run)")
     p.add_argument("--save-interval", type=int, default=4,
@@ -250,6 +258,10 @@ def options(argv=None):
     if "watcher-kill" in o.kinds and "flush" not in o.phases:
         o.phases.append("flush")
     o.kinds = [k for k in o.kinds if k not in WATCHER_KINDS]
+    if not any(k in INTERNAL_KINDS + EXTERNAL_KINDS for k in o.kinds):
+        # watcher-kill and slow go beside a fault that stops a process, never alone
+        raise SystemExit(f"chaos: --kinds needs a kind that stops a process "
+                         f"({', '.join(INTERNAL_KINDS + EXTERNAL_KINDS)})")
     o.async_save_ok = "save-async" in o.phases
     o.run_iters = o.iters or 4 + 3 * o.faults_per_run
     return o

@@ -14,13 +14,17 @@ INTERNAL_KINDS = ("kill", "term", "stop", "node", "corrupt", "corrupt-replica",
                   "corrupt-manifest", "corrupt-committed", "shm-full")
 EXTERNAL_KINDS = ("ext-kill", "ext-stop", "ext-node")
 WATCHER_KINDS = ("watcher-kill",)  # the flush phase: beside a kill on the same attempt
-KINDS = (*INTERNAL_KINDS, *EXTERNAL_KINDS, *WATCHER_KINDS)
+# a straggler (--inject-fault R:I:CONT:slow:F): beside a run's faults, stops no process
+STRAGGLER_KINDS = ("slow",)
+KINDS = (*INTERNAL_KINDS, *EXTERNAL_KINDS, *WATCHER_KINDS, *STRAGGLER_KINDS)
 # how often each kind is drawn, relative (the corrupt modes share one weight of 2)
 KIND_WEIGHT = {"kill": 3, "term": 1, "stop": 1.5, "node": 2, "corrupt": 0.5,
                "corrupt-replica": 0.5, "corrupt-manifest": 0.5, "corrupt-committed": 0.5,
                "shm-full": 0.5, "ext-kill": 1, "ext-stop": 1, "ext-node": 1}
 SIGNAL_OF = {"kill": "KILL", "term": "TERM", "stop": "STOP", "shm-full": "KILL"}
 WALL_CLOCK = "wall-clock"  # the phase of a fault sent from outside
+SLOW_PHASE = "slow"        # the phase of a straggler: every iteration from ITER on
+SLOW_FACTOR = 2            # its rank sleeps (F - 1) x its compute: twice as slow
 
 # phases whose fault needs a restart before it (REFT-load, the health check) and whose
 # ITER is not a training iteration: the iteration restored / resumed from
@@ -80,7 +84,8 @@ class Fault:
     kind: str
     phase: str
     rank: int
-    iteration: int            # internal: ITER; external: the iteration line it follows
+    iteration: int            # internal: ITER; external: the iteration line it follows;
+                              # straggler: slow from ITER on, on every attempt
     candidates: list = field(default_factory=list)  # ITERs of a restart phase (one fires)
     delay: float = 0.0        # external: the fraction of an iteration after the line
     # ---- what happened ----
@@ -100,11 +105,20 @@ class Fault:
     @property
     def origin(self) -> str:
         return "external" if self.kind in EXTERNAL_KINDS else \
-            "watcher" if self.kind in WATCHER_KINDS else "internal"
+            "watcher" if self.kind in WATCHER_KINDS else \
+            "straggler" if self.kind in STRAGGLER_KINDS else "internal"
+
+    @property
+    def stops(self) -> bool:
+        """Does it stop a process (one restart each)? Not a watcher's (a kill of the same
+        attempt restarts), not a straggler's (slow, never stopped)."""
+        return self.origin in ("internal", "external")
 
     def specs(self) -> list[str]:
         """Its --inject-fault specs (several ITERs for a restart phase: the one that
         matches fires, the process dies, the others never can)."""
+        if self.origin == "straggler":
+            return [f"{self.rank}:{self.iteration}:CONT:slow:{SLOW_FACTOR:g}"]
         if self.origin != "internal":
             return []
         mode = {"node": "node", "shm-full": "shm-full"}.get(self.kind, "")
@@ -121,6 +135,9 @@ class Fault:
                 "SIGKILL from outside", "ext-stop": "SIGSTOP from outside (hang)",
                 "ext-node": "node loss from outside", "watcher-kill":
                 "watcher killed mid-flush"}.get(self.kind, self.kind + " + SIGKILL")
+        if self.origin == "straggler":
+            return f"{SLOW_FACTOR:g}x slower (a straggler) to rank {self.rank} from " \
+                   f"iteration {self.iteration}"
         if self.origin == "external":
             when = f"{self.delay:.2f} of an iteration after iteration {self.iteration}"
         elif self.origin == "watcher":
@@ -156,15 +173,18 @@ class RunPlan:
                         if f.origin == "watcher")
 
     def restarts(self) -> int:
-        return sum(1 for f in self.faults if f.origin != "watcher")
+        return sum(1 for f in self.faults if f.stops)
 
 
 class Planner:
     """Draws the faults of one job run, attempt after attempt, so that each one can fire:
     its iteration lies past every iteration an earlier attempt could have restored."""
 
-    def __init__(self, rng: random.Random, opts):
+    def __init__(self, rng: random.Random, opts, slow_rng: random.Random | None = None):
         self.rng, self.o, self.save = rng, opts, True
+        # stragglers draw from their own generator: a seed's other faults stay the same
+        # with or without them
+        self.slow_rng = slow_rng or random.Random(f"{opts.seed}-slow")
         self.phases = [p for p in opts.phases if p != "flush"]
 
     def phases_for(self, kind: str, layout: str, protect: str, k: int,
@@ -237,8 +257,20 @@ class Planner:
                                                      n == f.rank)]
                 faults.append(Fault(first_id + len(faults), index, f.layout, k,
                                     "watcher-kill", "flush", rng.choice(nodes), f.iteration))
+        self.straggler(faults, index, first_id, iters)
         async_save = any(f.phase == "save-async" for f in faults)
         return RunPlan(index, layout, protect, iters, faults, async_save, save)
+
+    def straggler(self, faults: list, index: int, first_id: int, iters: int) -> None:
+        """With --slow-share's chance, a rank slowed from a random iteration on (early
+        enough that some iterations run slow), appended after the run's faults."""
+        o, rng = self.o, self.slow_rng
+        if "slow" not in o.kinds or iters < 5 or not faults:
+            return
+        if rng.random() >= o.slow_share:
+            return
+        faults.append(Fault(first_id + len(faults), index, faults[0].layout, 0, "slow",
+                            SLOW_PHASE, rng.randrange(4), rng.randint(1, iters - 4)))
 
     def place(self, f: Fault, reach: int, step: int, iters: int, S: int) -> int | None:
         """Choose the fault's iteration (past ``reach``: it must be reached on its
@@ -297,6 +329,6 @@ def plan_campaign(opts) -> list[RunPlan]:
         p = planner.plan(i, layout, protect, n, fid, save)
         runs.append(p)
         fid += len(p.faults)
-        left -= sum(1 for f in p.faults if f.origin != "watcher")
+        left -= sum(1 for f in p.faults if f.stops)
         i += 1
     return runs

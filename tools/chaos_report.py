@@ -11,7 +11,7 @@ import os
 import sys
 
 from reft_ext.report.files import open_nofollow
-from tools.chaos_plan import KINDS, WALL_CLOCK, Fault, RunPlan, available_phases
+from tools.chaos_plan import KINDS, SLOW_PHASE, WALL_CLOCK, Fault, RunPlan, available_phases
 
 # ---- the report ------------------------------------------------------------------------
 def fault_line(f: Fault) -> str:
@@ -19,6 +19,9 @@ def fault_line(f: Fault) -> str:
            f"{f.describe()}"]
     if f.fired and f.origin == "watcher":
         out.append("-> the flush it cut short must never be imported")
+    elif f.fired and f.origin == "straggler":  # no recovery: slow, never stopped
+        out.append(f"-> named a straggler at iteration {f.tier.split()[-1]}"
+                   if f.tier.startswith("named") else "-> not named")
     elif f.fired:
         rec = f.tier or "?"
         if f.restored is not None:
@@ -40,7 +43,7 @@ def summary(runs: list[dict], faults: list[Fault], opts) -> dict:
     by_pk = collections.Counter((f.phase, f.kind) for f in faults)
     exact_pk = collections.Counter((f.phase, f.kind) for f in faults if f.verdict == "exact")
     tiers = collections.Counter(f.tier.split(" (after")[0] for f in faults
-                                if f.fired and f.origin != "watcher")
+                                if f.fired and f.stops)
     fired = [f for f in faults if f.fired]
     return {
         "faults": len(faults), "fired": len(fired),
@@ -51,6 +54,9 @@ def summary(runs: list[dict], faults: list[Fault], opts) -> dict:
         "by_phase_kind": {f"{p}/{k}": [by_pk[(p, k)], exact_pk[(p, k)]]
                           for p, k in sorted(by_pk)},
         "by_tier": dict(tiers.most_common()),
+        "stragglers": sum(1 for f in faults if f.origin == "straggler" and f.fired),
+        "stragglers_named": sum(1 for f in faults if f.origin == "straggler" and
+                                f.tier.startswith("named")),
         "hangs": sum(1 for f in faults if f.kind in ("stop", "ext-stop") and f.fired),
         "hangs_past_timeout": sum(1 for f in faults if f.hang_verdict in ("missed",
                                                                           "found late")),
@@ -72,9 +78,9 @@ def _median(xs):
 def table(s: dict, faults: list[Fault]) -> str:
     """The campaign's table (markdown: docs/chaos.md shows it as printed)."""
     kinds = [k for k in KINDS if any(f.kind == k for f in faults)]
+    order = available_phases() + (WALL_CLOCK, SLOW_PHASE)
     phases = sorted({f.phase for f in faults},
-                    key=lambda p: (available_phases() + (WALL_CLOCK,)).index(p)
-                    if p in available_phases() + (WALL_CLOCK,) else 99)
+                    key=lambda p: order.index(p) if p in order else 99)
     out = ["faults by phase and kind (exact/total):", "",
            "| phase | " + " | ".join(kinds) + " | all |",
            "|---|" + "---|" * (len(kinds) + 1)]
@@ -96,6 +102,8 @@ def table(s: dict, faults: list[Fault]) -> str:
             f"| hangs (SIGSTOP) found by the watcher | {s['hangs'] - s['hangs_past_timeout']}"
             f"/{s['hangs']} (median {s['hang_found_s_median']} s) |",
             f"| hangs past the hang timeout | {s['hangs_past_timeout']} |",
+            f"| stragglers (slow) named by the detector | {s['stragglers_named']}"
+            f"/{s['stragglers']} (a restart restarts its window) |",
             f"| torn / wrong loads | {s['torn_loads']} |",
             f"| false hang verdicts | {s['false_hang_verdicts']} |",
             f"| false health verdicts | {s['false_health_verdicts']} |",

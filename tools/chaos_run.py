@@ -1,6 +1,8 @@
-"""Running one job run of the chaos campaign (tools/chaos.py): torchrun of 4 ranks with
-the run's ``--inject-fault`` flags, its output stamped with the wall clock, the faults sent
-from outside while it runs, and nothing of it left alive afterwards."""
+"""Running one job run of the chaos campaign (tools/chaos.py): torchrun of 4 ranks (the
+project's launcher, reft_ext/cluster/torchrun.py: torchrun's agent with the signed ``reft``
+rendezvous) with the run's ``--inject-fault`` flags, its output stamped with the wall
+clock, the faults sent from outside while it runs, and nothing of it left alive
+afterwards."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITER_LINE = re.compile(r" iteration +(\d+)/ *\d+ .*\| lm loss: ([0-9.E+-]+|nan|inf)")
 FAULT_LINE = re.compile(r"\[FAULT\] (?:injecting (\w+) into|shared memory full for) "
                         r"rank (\d+) \(pid (\d+)\)")
+# a straggler's (mode slow): once per process that slows, so once per attempt
+SLOW_LINE = re.compile(r"\[FAULT\] slowing rank (\d+) \(pid (\d+)\)")
 
 
 @dataclass
@@ -154,7 +158,9 @@ def run_job(args: list[str], *, max_restarts: int, timeout: float, log_path: str
     """One torchrun of 4 ranks, its output streamed (each line stamped with the wall
     clock) into ``log_path``; ``externals``: Faults sent from outside while it runs;
     ``on_fault()``: called as each fault fires (progress)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # torchrun's flags and agent, the reft rendezvous registered first (no pickle from a
+    # store without login); the agent runs in this process, its workers are its children
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            "--nproc-per-node=4", f"--max-restarts={max_restarts}",
            os.path.join(REPO, "pretrain_llama.py"), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
@@ -177,6 +183,7 @@ def run_job(args: list[str], *, max_restarts: int, timeout: float, log_path: str
     pending = sorted(externals, key=lambda f: f.attempt)
     iter_times: list[float] = []
     timers: list[threading.Timer] = []
+    slowed: set[str] = set()  # ranks whose straggler fired (one progress step each)
 
     def send(f: Fault) -> None:
         _send_external(f, workers, job, lines)
@@ -191,6 +198,10 @@ def run_job(args: list[str], *, max_restarts: int, timeout: float, log_path: str
                 lines.append((now, line))
                 log.write(f"{now:.3f} {line}\n")
                 if on_fault and FAULT_LINE.search(line):
+                    on_fault()
+                slow = SLOW_LINE.search(line)
+                if on_fault and slow and slow.group(1) not in slowed:
+                    slowed.add(slow.group(1))
                     on_fault()
                 m = ITER_LINE.search(line)
                 if not m:

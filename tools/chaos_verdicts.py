@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from tools.chaos_plan import RunPlan
-from tools.chaos_run import FAULT_LINE, ITER_LINE, JobOutput
+from tools.chaos_run import FAULT_LINE, ITER_LINE, SLOW_LINE, JobOutput
 
 STOP_SLACK_S = 5.0  # beyond the waiting limit (2 x timeout) before a hang counts as missed
 
@@ -52,6 +52,29 @@ def checkpoint_problems(res, ref) -> tuple[list[str], str]:
             ], "differs"
 
 
+def straggler_outcome(f, fault_lines, events) -> None:
+    """A straggler fired at its rank's first ``[FAULT] slowing`` line (one per attempt
+    from ITER on); ``tier`` says whether straggler detection named the rank after that.
+    Not named is no problem: a restart starts the detector's window afresh."""
+    for t, line in fault_lines:
+        m = SLOW_LINE.search(line)
+        if m and int(m.group(1)) == f.rank:
+            f.fired, f.t_fired, f.where, f.pid = True, t, line.strip(), int(m.group(2))
+            break
+    if not f.fired:
+        return
+    # the event is stamped by the rank, the line by the tool as it read it: a second's slack
+    named = [e for e in events if e["event"] == "straggler" and e.get("rank") == f.rank
+             and e["time"] >= f.t_fired - 1]
+    if named:
+        e = named[0]
+        f.tier = f"named at iteration {e.get('iteration')}"
+        f.where += f"; [REFT] straggler: rank {f.rank} named at iteration " \
+                   f"{e.get('iteration')}, {e.get('ratio', 0):.2f}x the others' median"
+    else:
+        f.tier = "not named"
+
+
 def analyze(plan: RunPlan, job: JobOutput, ref, ref_losses: dict, opts) -> dict:
     """Fill in each fault's outcome; returns the run's record."""
     faults = plan.faults
@@ -77,11 +100,13 @@ def analyze(plan: RunPlan, job: JobOutput, ref, ref_losses: dict, opts) -> dict:
                 if e["event"] == "fault" and e.get("phase") == "flush" and \
                         e.get("node") == f.rank and not f.fired:
                     # the watcher of that attempt: after the attempt's own fault fired
-                    prev = [g for g in faults if g.attempt == f.attempt and g is not f]
+                    prev = [g for g in faults if g.attempt == f.attempt and g.stops]
                     if prev and prev[0].t_fired and e["time"] >= prev[0].t_fired - 1:
                         f.fired, f.t_fired, f.pid = True, e["time"], e.get("pid")
                         f.where = f"[FAULT] watcher of node {f.rank} killed mid-flush"
-    fired = sorted((f for f in faults if f.fired and f.origin != "watcher"),
+        elif f.origin == "straggler":
+            straggler_outcome(f, fault_lines, events)
+    fired = sorted((f for f in faults if f.fired and f.stops),
                    key=lambda f: f.t_fired)
     # 2. the recovery after each fault (the first after it fired)
     rec_events = [e for e in events if e["event"] in
@@ -195,7 +220,7 @@ def analyze(plan: RunPlan, job: JobOutput, ref, ref_losses: dict, opts) -> dict:
         problems.append(f"losses end at {max(res.losses)}, not {plan.train_iters}")
     # a fault of a terminal phase may or may not stop the job (the async save's writer:
     # megatron-core's finalize raises on every rank)
-    expected_restarts = sum(1 for f in fired if f.origin != "watcher")
+    expected_restarts = len(fired)  # the faults that stop a process
     if job.restarts > expected_restarts and not job.timed_out:
         problems.append(f"{job.restarts} restarts for {expected_restarts} faults that stop "
                         f"a process")

@@ -22,7 +22,7 @@ import json
 import pytest
 
 from tests.harness.recovery import N
-from tests.harness.run import LAYOUTS, TINY
+from tests.harness.run import LAYOUTS, TINY, RunResult
 from tools import chaos
 
 SEED = 977
@@ -82,9 +82,9 @@ def test_plans_fire_in_order_and_parse(tmp_path):
         for p in chaos.plan_campaign(opts):
             specs = parse_fault_specs(p.inject(), 4)
             assert len(specs) == sum(len(f.specs()) for f in p.faults)
-            reach, last = 0, p.faults[-1]
+            reach, last = 0, [f for f in p.faults if f.stops][-1]
             for f in p.faults:
-                if f.origin == "watcher":
+                if not f.stops:  # a watcher's (beside a kill), a straggler (slow)
                     continue
                 if f.phase in chaos.RESTART_PHASES:
                     assert f.candidates and f.candidates[-1] == reach, f
@@ -99,8 +99,100 @@ def test_plans_fire_in_order_and_parse(tmp_path):
                 if f.kind == "shm-full":
                     assert (f.phase, f.attempt) == ("health", 0), f
                 if f.phase in chaos.TERMINAL_PHASES:
-                    assert f is last or last.origin == "watcher", p.faults
+                    assert f is last, p.faults
                 if f.phase in chaos.SAVE_PHASES:
                     assert f.iteration % opts.save_interval == 0, f
-            assert [f.attempt for f in p.faults if f.origin != "watcher"] == \
+            assert [f.attempt for f in p.faults if f.stops] == \
                 list(range(p.restarts())), p.faults
+
+
+def _plan_of(flags):
+    return [(f.run, f.layout, f.attempt, f.kind, f.phase, f.rank, f.iteration,
+             f.candidates, f.delay) for p in chaos.plan_campaign(chaos.options(flags))
+            for f in p.faults if f.kind != "slow"]
+
+
+def test_stragglers_leave_a_seeds_other_faults_as_they_were(tmp_path):
+    """No job runs: kind slow (a straggler) draws from its own generator, so a seed's
+    other faults are the same with it (--slow-share 1) as without it (--kinds less slow);
+    its spec is one --inject-fault reads, and it costs no restart."""
+    from reft_ext.testing.fault_specs import SLOW, parse_fault_spec
+
+    plain = [k for k in chaos.KINDS if k not in chaos.STRAGGLER_KINDS]
+    assert "slow" in chaos.options([]).kinds  # in the default draw
+    for seed in range(12):
+        base = ["--seed", str(seed), "--faults", "12", "--faults-per-run", "4",
+                "--work-dir", str(tmp_path)]
+        assert _plan_of(base + ["--slow-share", "1"]) == _plan_of(base + ["--kinds", *plain])
+        without = chaos.plan_campaign(chaos.options(base + ["--kinds", *plain,
+                                                            "--slow-share", "1"]))
+        assert not [f for p in without for f in p.faults if f.kind == "slow"]
+        for p in chaos.plan_campaign(chaos.options(base + ["--slow-share", "1"])):
+            slow = [f for f in p.faults if f.kind == "slow"]
+            assert len(slow) == 1, p.faults  # one per job run at share 1
+            f = slow[0]
+            assert (f.origin, f.phase, f.attempt, f.stops) == ("straggler", "slow", 0, False)
+            assert 0 <= f.rank < 4 and 1 <= f.iteration <= p.train_iters - 4, f
+            spec = parse_fault_spec(f.specs()[0], 4)
+            assert (spec.rank, spec.iteration, spec.mode, spec.factor) == \
+                (f.rank, f.iteration, SLOW, 2.0), spec
+            assert p.restarts() == sum(1 for g in p.faults if g.origin in
+                                       ("internal", "external"))
+            assert f"to rank {f.rank} from iteration {f.iteration}" in f.describe()
+
+
+def _job(straggler_named: bool):
+    """A synthetic job run: rank 2 SIGKILLed in iteration 3 (own memory restores 2), rank
+    1 slowed from iteration 2 on both attempts; the logged losses are the reference's."""
+    it = " iteration {:8d}/       6 | consumed samples: 8 | lm loss: 1.0E+01 |".format
+    lines = [(1.0, it(1)),
+             (2.0, "[FAULT] slowing rank 1 (pid 101) 2x from iteration 2: a sleep of 1x "
+                   "its forward-backward compute before each gradient sync"),
+             (3.0, it(2)),
+             (4.0, "[FAULT] injecting SIGKILL into rank 2 (pid 102) at iteration 3, "
+                   "phase forward"),
+             (6.0, "[FAULT] slowing rank 1 (pid 201) 2x from iteration 3: ..."),
+             *[(6.0 + i, it(i)) for i in range(3, 7)]]
+    events = [{"event": "recovery", "rank": 0, "time": 5.0, "source": "own memory",
+               "iteration": 2, "ms": 12.0}]
+    if straggler_named:
+        events.append({"event": "straggler", "rank": 1, "time": 11.0, "iteration": 5,
+                       "ratio": 2.04})
+    hashes, losses = {r: f"h{r}" for r in range(4)}, {6: "0x1.4p+3"}
+    res, ref = (RunResult(0, "", dict(hashes), dict(losses), {3: dict(losses)})
+                for _ in range(2))
+    return (chaos.JobOutput(0, lines, events, res, 12.0, restarts=1), ref,
+            {i: "1.0E+01" for i in range(1, 7)})
+
+
+def test_a_straggler_is_judged_fired_and_named_without_a_recovery(tmp_path):
+    """No job runs: analyze() on a synthetic run's lines and events. The straggler fires
+    at its rank's first [FAULT] slowing line, is named by the first straggler event of
+    its rank (or not: no problem), needs no recovery or restart, and is exact when the
+    run is."""
+    from tools.chaos_report import fault_line, summary
+
+    opts = chaos.options(["--work-dir", str(tmp_path)])
+    for named in (True, False):
+        kill = chaos.Fault(0, 0, "dp4:aec", 0, "kill", "forward", 2, 3)
+        slow = chaos.Fault(1, 0, "dp4:aec", 0, "slow", "slow", 1, 2)
+        plan = chaos.RunPlan(0, "dp4", "aec", 6, [kill, slow])
+        job, ref, ref_losses = _job(named)
+        rec = chaos.analyze(plan, job, ref, ref_losses, opts)
+        assert rec["exact"] and not rec["problems"], rec
+        assert (kill.fired, kill.tier, kill.restored, kill.verdict) == \
+            (True, "own", 2, "exact"), kill
+        assert (slow.fired, slow.t_fired, slow.pid, slow.verdict) == \
+            (True, 2.0, 101, "exact"), slow
+        assert slow.where.startswith("[FAULT] slowing rank 1 (pid 101)"), slow.where
+        assert slow.restored is None and slow.downtime_s is None, slow
+        s = summary([rec], plan.faults, opts)
+        assert s["by_tier"] == {"own": 1} and s["exact"] == 2, s
+        if named:
+            assert slow.tier == "named at iteration 5", slow
+            assert "-> named a straggler at iteration 5" in fault_line(slow)
+            assert s["stragglers_named"] == 1, s
+        else:
+            assert slow.tier == "not named", slow
+            assert "-> not named" in fault_line(slow)
+            assert s["stragglers_named"] == 0, s
