@@ -1,7 +1,7 @@
 """What swapping a straggler for a warm spare costs, beside a crash recovery with a warm
 spare, and what it gives back.
 
-    python benchmarks/bench_straggler_swap.py [--iters 40] [--slow-from 5] [--factor 3]
+    python benchmarks/bench_straggler_swap.py [--iters 200] [--slow-from 5] [--factor 3]
 
 Three jobs of the tiny model, DP2 over two in-process "nodes" of one rank each, REFT arc,
 snapshots every iteration, one warm spare (tools/launch_nodes.py --restart in-process):
@@ -85,7 +85,7 @@ def downtime(events: list[dict], restart: dict, per_it: float) -> tuple[float, i
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--iters", type=int, default=200)
     p.add_argument("--slow-from", type=int, default=5)
     p.add_argument("--factor", type=float, default=3.0)
     a = p.parse_args()
@@ -116,10 +116,19 @@ def main() -> int:
         print(f"  {name:<8} {down:8.2f}s {r['seconds']:7.2f}s {r['abort_s']:5.2f}s "
               f"{r['wait_generation_s']:7.2f}s {r['rendezvous_s']:5.2f}s "
               f"{r['rejoin_s']:6.2f}s {redone:6d} {str(hist[0]['warm'][0]):>5}")
-    print(f"  iteration time of the swap job: {1000 * slow:.1f} ms before the swap (slow), "
-          f"{1000 * fast:.1f} ms after it, baseline {1000 * per_it:.1f} ms: "
-          f"{fast / per_it:.2f}x the baseline after, {slow / per_it:.2f}x before")
-    saved = (slow - fast) * (a.iters - k)
+    tail = max(k + 2, a.iters - 10)  # the spare refilled by then (its imports share cores)
+    last = statistics.median(gaps(ends, tail, a.iters))
+    crash_ends = iteration_ends(crashed)
+    crash_after = statistics.median(gaps(crash_ends, k + 2, a.iters))
+    base_last = statistics.median(gaps(iteration_ends(base), tail, a.iters))
+    print(f"  median iteration, ms   {'before':>8} {'after':>8} {'last 10':>8}")
+    print(f"  swap job (slow rank)   {1000 * slow:8.1f} {1000 * fast:8.1f} {1000 * last:8.1f}")
+    print(f"  crash job              {'':>8} {1000 * crash_after:8.1f} "
+          f"{1000 * statistics.median(gaps(crash_ends, tail, a.iters)):8.1f}")
+    print(f"  baseline               {1000 * per_it:8.1f} {'':>8} {1000 * base_last:8.1f}")
+    print(f"  (after a restart the supervisor starts a new warm spare: its imports share "
+          f"this host's cores with the job for a while, in the crash job too)")
+    saved = (slow - last) * (a.iters - k)
     print(f"  the swap gave back {saved:.2f} s over the {a.iters - k} iterations left "
           f"(its line estimated {swaps[0]['saved_s']:.2f} s)")
     return 0
