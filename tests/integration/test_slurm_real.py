@@ -242,7 +242,8 @@ def test_in_process_slow_node_is_swapped_for_the_spare_node(slurm, reference, tm
     shows); rank 0 stays in its process; the slow node is never used again; exact."""
     job = sbatch(slurm, tmp_path, "--nodes=3", SPARE_NODES="1",
                  EXTRA_ARGS=EXTRA + " --reft-straggler-interval 2 --reft-straggler-window 2"
-                                    " --reft-replace-stragglers --inject-fault 1:2:CONT:slow:4")
+                                    " --reft-straggler-threshold 2 --reft-replace-stragglers"
+                                    " --inject-fault 1:2:CONT:slow:4")
     out = job.output
     assert "[FAULT] slowing rank 1 (pid" in out
     assert re.search(r"\[REFT\] straggler swap: node 1 \(rank\(s\) 1-1", out), out[-6000:]
