@@ -88,7 +88,8 @@ def table(t: dict, snapshot_every: int = 1) -> str:
     out = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     m, p = measured(t), predicted(t, snapshot_every)
     out.append(f"goodput {100 * m['goodput']:.2f}% ({t['failures']} failures, "
-               f"{t['rollbacks']} rollbacks, {t['attempts']} process attempts, "
+               f"{t['rollbacks']} rollbacks, {t.get('swaps', 0)} straggler swaps, "
+               f"{t['attempts']} process attempts, "
                f"{t['iterations']} iterations kept, mean of {t['ranks']} ranks)")
     if p is not None:
         out.append(f"planner: {100 * p['goodput']:.2f}% predicted for "
@@ -132,5 +133,23 @@ def status_text(events: list[dict], now: float) -> str:
         state = "finished" if done else f"running: newest record {age:.1f} s old"
         parts.append(f"goodput of run {run} ({state}; iteration "
                      f"{max(int(r.get('iteration') or 0) for r in recs)})\n" +
-                     table(job_totals(recs), every))
+                     table(job_totals(recs), every) + _stragglers(events, recs))
     return "\n\n".join(parts)
+
+
+def _stragglers(events: list[dict], recs: list[dict]) -> str:
+    """The run's named stragglers and swaps (events between its first and last record's
+    processes: the events file may hold other runs)."""
+    t0 = min(float(r.get("start", 0)) for r in recs)
+    lines = []
+    for e in events:
+        if e.get("time", 0) < t0:
+            continue
+        if e.get("event") == "straggler":
+            lines.append(f"straggler: rank {e.get('rank')} named at iteration "
+                         f"{e.get('iteration')} ({e.get('ratio', 0):.2f}x, "
+                         f"{1000 * e.get('cost_s', 0):.1f} ms per iteration)")
+        elif e.get("event") == "straggler_swap":
+            lines.append(f"straggler swap: node {e.get('node')} after iteration "
+                         f"{e.get('iteration')} (est. {e.get('saved_s', 0):.1f} s saved)")
+    return "".join("\n" + ln for ln in lines)

@@ -181,12 +181,18 @@ def test_the_status_tool_shows_a_jobs_goodput_from_its_own_events_file(tmp_path,
     path = tmp_path / "events.jsonl"
     recs = [{"event": goodput.EVENT, "rank": r, "time": time.time(), "run": "r7",
              **led.record(iteration=6, final=r == 0)} for r in (0, 1)]
+    recs += [{"event": "straggler", "rank": 1, "time": time.time(), "iteration": 4,
+              "ratio": 3.0, "cost_s": 0.05},
+             {"event": "straggler_swap", "rank": 1, "time": time.time(), "node": 1,
+              "iteration": 5, "saved_s": 2.5}]
     path.write_text("".join(json.dumps(e) + "\n" for e in recs))
     path.chmod(0o600)
     assert reft_status.main(["--events", str(path), "--shm-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "goodput of run r7 (running: newest record" in out and "iteration 6)" in out
     assert "straggler wait" in out and "wall time" in out and "planner:" in out
+    assert "straggler: rank 1 named at iteration 4 (3.00x, 50.0 ms per iteration)" in out
+    assert "straggler swap: node 1 after iteration 5 (est. 2.5 s saved)" in out
     assert reft_status.main(["--events", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["r7"]["iterations"] == 6
     import os
