@@ -96,7 +96,8 @@ def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int
     ckpt = None
     if script == "pretrain_llama.py":
         args, ckpt = with_final_checkpoint(args)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # the project's launcher (torchrun with the signed reft rendezvous): what users run
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
            os.path.join(REPO, script), *args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", **ENV_PATH)
