@@ -74,7 +74,7 @@ def _env(events: str) -> dict:
 
 
 def run_process(args: list[str], events: str, tmp: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            "--nproc-per-node=4", "--max-restarts=1", os.path.join(REPO, "pretrain_llama.py"),
            *args]
     log = os.path.join(tmp, "torchrun.log")

@@ -94,7 +94,7 @@ CASES = {
 def run_case(name: str, cycles: int, block: int, timeout: float = 1500) -> dict:
     c = CASES[name]
     iters = cycles * block * len(c["methods"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            f"--nproc-per-node={c['nproc']}", os.path.join(REPO, "benchmarks/overhead_probe.py"),
            *c.get("base", MODEL), *c.get("model", []), *c["layout"],
            "--train-iters", str(iters),

@@ -58,7 +58,7 @@ from tools.launch_nodes import LaunchConfig, NodeLauncher  # noqa: E402
 
 
 def run(cmd_args, max_restarts=1):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            "--nproc-per-node=4", f"--max-restarts={max_restarts}",
            os.path.join(REPO, "pretrain_llama.py"), *cmd_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
@@ -127,7 +127,8 @@ def foreign_agents(job_id: str) -> int:
                     c = f.read()
             except OSError:
                 continue
-            n += b"torch.distributed.run" in c and mine not in c
+            n += (b"torch.distributed.run" in c or b"reft_ext.cluster.torchrun" in c) and \
+                mine not in c
     return n
 
 

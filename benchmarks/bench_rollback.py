@@ -58,7 +58,7 @@ def job(a) -> list[str]:
 
 
 def launch(args: list[str]) -> list[tuple[float, str]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            "--nproc-per-node=4", os.path.join(REPO, "pretrain_llama.py"), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     env.pop("TORCHELASTIC_RESTART_COUNT", None)

@@ -32,7 +32,7 @@ LAYOUTS = {
 
 
 def run(layout: list[str], iters: int, extra: list[str]) -> tuple[float, float, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone", "--nproc-per-node=4",
            os.path.join(REPO, "pretrain_llama.py"), "--model-size", "tiny",
            "--micro-batch-size", "4", "--global-batch-size", "32", "--train-iters", str(iters),
            "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0", *layout, *extra]

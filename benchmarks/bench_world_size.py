@@ -54,7 +54,7 @@ def run(world: int, reft: bool | list, iters: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                REFT_EVENTS_FILE=events, REFT_COUNT_COLLECTIVES="1" if reft else "0")
     args = [*MODEL, "--train-iters", str(iters), "--global-batch-size", str(world)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            f"--nproc-per-node={world}", os.path.join(REPO, "pretrain_llama.py"), *args,
            *((REFT + (reft if isinstance(reft, list) else [])) if reft else [])]
     try:

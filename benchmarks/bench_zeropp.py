@@ -45,7 +45,7 @@ def run(iters: int, quantized: bool, bits: int, hpz: int = 1) -> dict:
     extra = ["--zero-quantized-weights", "--zero-quantized-gradients",
              "--zero-gradient-bits", str(bits)] if quantized else []
     extra += ["--zero-hpz-partition-size", str(hpz)] if hpz > 1 else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            "--nproc-per-node=4", os.path.join(REPO, "pretrain_llama.py"), *MODEL,
            "--train-iters", str(iters), *extra]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,

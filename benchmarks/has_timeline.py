@@ -35,7 +35,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.json")
         job = f"timeline{os.getpid()}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
                "--nproc-per-node=2", os.path.join(REPO, "pretrain_llama.py"),
                "--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
                "--num-attention-heads", "8", "--seq-length", str(a.seq_length),
