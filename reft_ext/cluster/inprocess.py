@@ -117,14 +117,12 @@ def new_secret() -> str:
 
 def job_secret() -> bytes:
     """This process's copy of the job's secret (from its environment)."""
-    raw = os.environ.get(ENV_SECRET, "")
-    try:
-        secret = bytes.fromhex(raw)
-    except ValueError:
-        secret = b""
-    if len(secret) < 32:
-        raise RestartError(f"${ENV_SECRET} is missing or not 32 hex bytes: the in-process "
-                           f"supervisor hands it to every worker it starts")
+    from reft_ext.cluster.signed_store import env_secret
+
+    secret, why = env_secret(ENV_SECRET)
+    if secret is None:
+        raise RestartError(f"${ENV_SECRET} is {why}: the in-process supervisor hands it "
+                           f"to every worker it starts")
     return secret
 
 

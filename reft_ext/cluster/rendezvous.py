@@ -43,7 +43,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 from torch.distributed.elastic.rendezvous.utils import (_matches_machine_hostname,
                                                          parse_rendezvous_endpoint)
 
-from reft_ext.cluster.signed_store import SignedStore, seal, unseal
+from reft_ext.cluster.signed_store import SignedStore, env_secret, seal, unseal
 
 BACKEND = "reft"
 ENV_SECRET = "REFT_RDZV_SECRET"   # hex of the job's 32-byte key (environment only)
@@ -62,14 +62,10 @@ SECRET_HINT = (f"every agent of the job needs the same {ENV_SECRET} (32 random b
 
 def job_secret() -> bytes:
     """The job's rendezvous key from the environment; a clear error when missing."""
-    raw = os.environ.get(ENV_SECRET, "")
-    try:
-        secret = bytes.fromhex(raw)
-    except ValueError:
-        secret = b""
-    if len(secret) < 32:
-        raise RendezvousError(f"--rdzv-backend {BACKEND}: ${ENV_SECRET} is "
-                              f"{'not 32 hex bytes' if raw else 'not set'}: {SECRET_HINT}")
+    secret, why = env_secret(ENV_SECRET)
+    if secret is None:
+        raise RendezvousError(f"--rdzv-backend {BACKEND}: ${ENV_SECRET} is {why}: "
+                              f"{SECRET_HINT}")
     return secret
 
 

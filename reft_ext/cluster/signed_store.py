@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import os
 import time
 
 import torch
@@ -31,6 +32,20 @@ import torch
 MAGIC = b"RS1\0"
 TAG_BYTES = 32
 POLL_S = 0.05
+SECRET_BYTES = 32  # a job's HMAC key: 32 random bytes, hex in the environment
+
+
+def env_secret(var: str) -> tuple[bytes | None, str]:
+    """(the key, "") from environment variable ``var``, or (None, why): "not set" or
+    "not 32 hex bytes". The caller's error names what to do."""
+    raw = os.environ.get(var, "")
+    try:
+        secret = bytes.fromhex(raw)
+    except ValueError:
+        secret = b""
+    if len(secret) < SECRET_BYTES:
+        return None, "not 32 hex bytes" if raw else "not set"
+    return secret, ""
 
 _warned: set[str] = set()
 # every SignedStore made in this process. C++ (gloo, PrefixStore) holds only the C++ side

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -181,7 +182,7 @@ def test_write_atomic_never_opens_a_planted_temporary(tmp_path, monkeypatch):
     victim.write_text("private")
     target = tmp_path / "committed"
     atomic.write_atomic(str(target), "old")
-    monkeypatch.setattr(atomic.secrets, "token_hex", lambda n=None: "fixed")
+    monkeypatch.setattr(secrets, "token_hex", lambda n=None: "fixed")
     os.symlink(victim, atomic.tmp_name(str(target)))
     with pytest.raises(FileExistsError):
         atomic.write_atomic(str(target), "new")
