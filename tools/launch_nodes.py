@@ -52,15 +52,18 @@ from tools.launch_config import JobOutput, LaunchConfig, LaunchError  # noqa: E4
 # Outside that range only an explicit bind takes a port; an flock per port, held by the
 # process that picked it, keeps launchers (and their agents) off each other's picks.
 PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), f"reft-ports-{os.getuid()}")
-def _private_lock_dir(path: str) -> None:
-    """The port locks' directory is in the shared temporary directory: only one this user
-    made (0700, not a link) is used, or a planted one could point the locks elsewhere."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise LaunchError(f"{path} is not a private directory of this user (a link, another "
-                          f"user's, or writable by others): remove it, or set TMPDIR to a "
-                          f"directory of your own")
+def _private_lock_dir(path: str):
+    """The port locks' directory, in the shared temporary directory: opened from ``/`` one
+    component at a time (reft_ext/safe_dir.py), made if missing, and only one of this
+    user's (0700, not a link) is used: a planted or swapped one could point the locks
+    elsewhere. The locks are opened through the held descriptor."""
+    from reft_ext import safe_dir
+
+    try:
+        return safe_dir.open_dir(path, create=True)
+    except safe_dir.UnsafePathError as exc:
+        raise LaunchError(f"{path} is not a private directory of this user ({exc.reason}): "
+                          f"remove it, or set TMPDIR to a directory of your own") from None
 
 
 PORT_FLOOR = 10000                # below: well-known and registered services
@@ -103,10 +106,13 @@ def free_port() -> int:
     lo, hi = _ephemeral_range()
     pool = [p for p in range(PORT_FLOOR, 65536)
             if not lo <= p <= hi and p not in TORCH_DEFAULT_PORTS]
-    _private_lock_dir(PORT_LOCK_DIR)
+    with _private_lock_dir(PORT_LOCK_DIR) as locks:
+        return _pick(locks, pool, lo, hi)
+
+
+def _pick(locks, pool: list[int], lo: int, hi: int) -> int:
     for port in random.SystemRandom().sample(pool, min(len(pool), 256)):
-        fd = os.open(os.path.join(PORT_LOCK_DIR, f"{port}.lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = locks.open(f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # another launcher's pick

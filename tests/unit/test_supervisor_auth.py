@@ -264,7 +264,18 @@ def test_port_locks_only_in_a_private_directory(tmp_path, monkeypatch):
     with pytest.raises(launch_nodes.LaunchError, match="not a private directory"):
         launch_nodes.free_port()
     assert not list(planted.iterdir()) and not list(elsewhere.iterdir())
+    # a private directory under one that others may write (no sticky bit): they could
+    # swap it for theirs after the check; the walk from / refuses it by its parent
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ports").mkdir(mode=0o700)
+    os.chmod(shared, 0o777)
+    monkeypatch.setattr(launch_nodes, "PORT_LOCK_DIR", str(shared / "ports"))
+    with pytest.raises(launch_nodes.LaunchError, match="not a private directory"):
+        launch_nodes.free_port()
+    assert not list((shared / "ports").iterdir())
     own = tmp_path / "own"
     monkeypatch.setattr(launch_nodes, "PORT_LOCK_DIR", str(own))
     assert launch_nodes.free_port() >= launch_nodes.PORT_FLOOR
     assert os.stat(own).st_mode & 0o777 == 0o700
+    assert [p.name for p in own.iterdir()][0].endswith(".lock")
