@@ -1,6 +1,6 @@
 """AOR's verification checksum of one optimizer shard, the two functions side by side in
 one run: ``xxh3`` over host bytes (reft_ext/store/checksum.py; a bit-identical CPU pair)
-and ``wsum64`` (reft_ext/protect/aor/replica.py; a GPU or fused owner's pair, computed
+and ``wsum64`` (reft_ext/protect/aor/shard_layout.py; a GPU or fused owner's pair, computed
 where the state lives). On a machine with CUDA also the device owner's two ways: the
 state copied down (pageable ``.to("cpu")``) then xxh3, which the owner did before, against
 wsum64 on the device (one scalar copied down).
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from reft_ext.protect.aor.replica import _checksum, wsum64
+from reft_ext.protect.aor.shard_layout import _checksum, wsum64
 
 
 def _shard(mib: int, device: str) -> list[torch.Tensor]:

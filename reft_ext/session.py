@@ -12,23 +12,23 @@ loop never asks whether REFT is on. The call order of one process::
     with s.heartbeat_paused(): ...         # checkpoint saves, validation
     s.pause_heartbeat(); s.on_exit(state); s.write_trace()
 
-``state`` is the trainer's loop state (:class:`LoopState`). This module is the only one
-of reft_ext that joins the pieces (save, load, cluster, report); it imports no trainer.
+``state`` is the trainer's loop state (:class:`LoopState`). This module (with its
+start-up half, reft_ext/session_startup.py) is the only one of reft_ext that joins the
+pieces (save, load, cluster, report); it imports no trainer. The interface and
+:class:`DisabledSession` live in reft_ext/session_interface.py; every name is
+importable from here.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import errno
 import math
 import os
 import time
-from typing import Protocol
 
 import torch
 
-from reft_ext.cluster import inprocess
 from reft_ext.cluster import status as node_status
 from reft_ext.config import ReftConfig
 from reft_ext.load import preverify
@@ -37,158 +37,19 @@ from reft_ext.load.view import SnapshotView
 from reft_ext.load.rollback import (RollbackConfig, RollbackError, SpikeDetector,
                                     batches_to_skip)
 from reft_ext.report import summary
-from reft_ext.report.events import emit as reft_emit, record
-from reft_ext.save.snapshotter import ReftSnapshotter, StateAdapter, reft_print
+from reft_ext.save.snapshotter import ReftSnapshotter, reft_print
+from reft_ext.session_interface import (DisabledSession, LoopState, Session, SessionAdapter,
+                                        _Trace)
+from reft_ext.session_startup import SessionStartup
 from reft_ext.sigterm_guard import SigtermGuard
-from reft_ext.state.identity import refuse_other_runs
 from reft_ext.store.paths import node_dir
-from reft_ext.testing import collectives, fault_point
+from reft_ext.testing import collectives
 from reft_ext.store.shm import ShmDirError, ensure_private_dir
 
-
-class SessionAdapter(StateAdapter, Protocol):
-    """The snapshotter's :class:`StateAdapter` plus what the session itself needs."""
-
-    global_batch_size: int   # samples per iteration (a rollback skips whole batches)
-    # optional: the groups the loss-spike verdict is agreed over (default: the whole job)
-    # verdict_groups: list
-
-    def identity(self) -> dict: ...  # what makes a state this run's (state/identity.py)
+__all__ = ["SessionAdapter", "LoopState", "Session", "DisabledSession", "ReftSession"]
 
 
-class LoopState(Protocol):
-    """The trainer's state as the hook methods read it."""
-
-    iteration: int                 # iterations completed
-    consumed_train_samples: int    # the data position (a rollback moves it on)
-    extra: dict                    # small JSON part, in every snapshot (REFT's counters)
-    report: dict                   # this iteration's {"loss": ..., "grad_norm": ...}
-
-
-class Session(abc.ABC):
-    """What the trainer calls, whether REFT is on (:class:`ReftSession`) or off
-    (:class:`DisabledSession`): one interface, so no call site asks which it holds.
-    ``tests/unit/test_session_interface.py`` checks that both implement all of it with
-    the same signatures."""
-
-    enabled: bool
-
-    @abc.abstractmethod
-    def recover(self, persistent_iteration: int | None) -> int | None: ...
-    @abc.abstractmethod
-    def count_recovery(self, tier: str) -> None: ...
-    @abc.abstractmethod
-    def recovered_from_checkpoint(self, path: str) -> None: ...
-    @abc.abstractmethod
-    def on_start(self, state) -> None: ...
-    @abc.abstractmethod
-    def before_optimizer_step(self, state) -> None: ...
-    @abc.abstractmethod
-    def after_step(self, state) -> None: ...
-    @abc.abstractmethod
-    def rollback(self, state, reason: str) -> None: ...
-    @abc.abstractmethod
-    def heartbeat_paused(self): ...
-    @abc.abstractmethod
-    def pause_heartbeat(self) -> None: ...
-    @abc.abstractmethod
-    def on_exit(self, state) -> None: ...
-    @abc.abstractmethod
-    def commit_in_flight(self) -> None:
-        """Finish and commit the snapshot in flight now (collective: every rank calls
-        it at the same iteration; a straggler swap takes its restart right after)."""
-    @abc.abstractmethod
-    def abandon(self) -> None:
-        """This generation failed (in-process restart): stop without committing."""
-    @abc.abstractmethod
-    def close(self) -> None: ...
-    @abc.abstractmethod
-    def release_start(self) -> None: ...
-    @abc.abstractmethod
-    def summary(self, state) -> str: ...
-    @abc.abstractmethod
-    def write_trace(self) -> None: ...
-
-
-class _Trace:
-    """The Chrome trace of ``--reft-trace-file`` (with or without snapshots)."""
-
-    def __init__(self, trace_file: str = "", events=None, trace_group=None):
-        self.trace_file, self.events, self.trace_group = trace_file, events, trace_group
-
-    def write_trace(self) -> None:
-        """Collective: every rank's events to rank 0, one Chrome trace file."""
-        if not self.trace_file or self.events is None:
-            return
-        from reft_ext.report.timeline import write_chrome_trace
-
-        tr = self.events.trace
-        world = torch.distributed.get_world_size()
-        gathered = [None] * world if tr.rank == 0 else None
-        torch.distributed.gather_object((tr.chrome_events(), tr.dropped), gathered, dst=0,
-                                        group=self.trace_group)
-        if tr.rank == 0:
-            write_chrome_trace(self.trace_file, [g[0] for g in gathered],
-                               sum(g[1] for g in gathered))
-            path = os.path.abspath(self.trace_file)
-            reft_emit("trace", f"trace of {world} ranks written to {path}", ranks=world,
-                      path=path)
-
-
-class DisabledSession(_Trace, Session):
-    """REFT off (``--reft-snapshot-every 0``): the session's interface, doing nothing
-    (but the trace, which ``--reft-trace-file`` asks for without snapshots too)."""
-
-    enabled = False
-    snap = None
-
-    def recover(self, persistent_iteration: int | None) -> int | None:
-        return None
-
-    def count_recovery(self, tier: str) -> None:
-        pass
-
-    def recovered_from_checkpoint(self, path: str) -> None:
-        pass
-
-    def on_start(self, state) -> None:
-        pass
-
-    def before_optimizer_step(self, state) -> None:
-        pass
-
-    def after_step(self, state) -> None:
-        pass
-
-    def rollback(self, state, reason: str) -> None:
-        raise RollbackError(f"rollback ({reason}) needs --reft-snapshot-every >= 1")
-
-    def heartbeat_paused(self):
-        return contextlib.nullcontext()
-
-    def pause_heartbeat(self) -> None:
-        pass
-
-    def on_exit(self, state) -> None:
-        pass
-
-    def commit_in_flight(self) -> None:
-        pass
-
-    def abandon(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def release_start(self) -> None:
-        pass
-
-    def summary(self, state) -> str:
-        return ""
-
-
-class ReftSession(_Trace, Session):
+class ReftSession(_Trace, SessionStartup, Session):
     """One rank's REFT: snapshots after each step, REFT-load at start-up, loss-spike
     rollback, heartbeat and node watcher, clean-up and summary at the end."""
 
@@ -272,106 +133,8 @@ class ReftSession(_Trace, Session):
         with contextlib.suppress(OSError):  # the node's other ranks may still hold files
             os.rmdir(self._node_dir)
 
-    # ---- start-up ------------------------------------------------------------------
-    def recover(self, persistent_iteration: int | None) -> int | None:
-        """Collective. The iteration restored from host memory (or the flushed tier, or
-        resharded after a shrink) into the trainer's state, or None: the trainer loads
-        its persistent checkpoint instead (``persistent_iteration``, newer wins)."""
-        # another run's snapshots (same --reft-job-id, other seed/model/data...): refuse
-        # job-wide before anything is read or imported
-        from reft_ext.load.flushed import flushed_manifests
-
-        on_disk = flushed_manifests(self.cfg.flush_dir, self.adapter.rank) \
-            if self.cfg.flush_dir else None
-        why = refuse_other_runs(self.snap.store, self.cfg.flush_dir, self.adapter.identity(),
-                                self.adapter.control_group, on_disk)
-        if why:
-            from reft_ext.load.errors import IdentityMismatch
-
-            raise IdentityMismatch(why)
-        if self.cfg.flush_dir:  # save-on-failure tier: back into memory when newer
-            from reft_ext.load.flushed import import_flushed
-
-            flushed = import_flushed(self.snap.store, self.cfg.flush_dir, self.snap.nbytes)
-            if flushed is not None:
-                reft_print(f"rank {self.adapter.rank}: host memory had nothing newer than "
-                           f"the flushed snapshot of iteration {flushed} in {self.cfg.flush_dir}: "
-                           f"loaded it into host memory", event="imported_flushed",
-                           rank=self.adapter.rank, iteration=flushed,
-                           flush_dir=self.cfg.flush_dir)
-        from reft_ext.load.reshard import reshard_from_memory
-
-        # after an elastic shrink (docs/nodes.md): the old job's snapshots, resharded
-        it = reshard_from_memory(self.snap, persistent_iteration, direct=self.fused_load)
-        if it is not None:
-            self.count_recovery("memory, resharded after a shrink")
-            return it
-        # a fused restore that fails a checksum leaves bytes in the model that only a
-        # full persistent load replaces (reft_ext/load/recover.py recover)
-        it = recover(self.snap, persistent_iteration, fuse=self.fused_load)
-        if it is not None:
-            self.count_recovery(self.snap.recovered_from or "host memory")
-        return it
-
-    def count_recovery(self, tier: str) -> None:
-        """One recovery of the job, by the tier that served it (kept in the state)."""
-        summary.count_recovery(self.state.extra, tier)
-
-    def recovered_from_checkpoint(self, path: str) -> None:
-        """The trainer loaded its persistent checkpoint after REFT-load found nothing
-        newer: logged and counted as a recovery like the others."""
-        if self.adapter.rank == 0:
-            reft_print(f"recovered iteration {self.state.iteration} from the persistent "
-                       f"checkpoint {path}")
-        # every rank (one line above)
-        record("recovered_persistent", iteration=self.state.iteration, path=path)
-        self.count_recovery("the persistent checkpoint")
-
-    def on_start(self, state) -> None:
-        fault_point("on-start", iteration=state.iteration)  # --inject-fault ...@on-start
-        preverify.discard()  # checksums begun at an abandon that no REFT-load took
-        self.snap.start()  # AOR: every holder gets its owner's (restored) shard
-        if self.cfg.hang_timeout > 0:  # before the watcher reads it; armed after 1 iteration
-            from reft_ext.cluster.heartbeat import Heartbeat
-
-            self.heartbeat = Heartbeat(self.snap.store.dir, self.adapter.rank, state.iteration)
-            self.snap.events.heartbeat = self.heartbeat
-        self._start_watcher()
-        self.snap.signals.set(node_status.HEALTHY,
-                              detail=f"training from iteration {state.iteration}")
-        self._term.install()
-        # a replacement's slots (a GB or more) are made from here, beside the first
-        # forward-backward: populating them holds a core and the process's mmap lock,
-        # which stalled the start-up's collectives of every rank by 0.2-0.4 s
-        self.snap.store.release_slots()
-
-    def _start_watcher(self) -> None:
-        """Save-on-failure: the node's first rank starts a watcher of the node's workers
-        (its own session, so it outlives them; reft_ext/cluster/watcher.py)."""
-        from reft_ext.cluster.watcher import spawn
-
-        a, sig = self.adapter, self.snap.signals
-        pids = [None] * a.world_size
-        torch.distributed.all_gather_object(pids, os.getpid(), group=a.control_group)
-        if not sig.leader:
-            return
-        cfg, mine = self.cfg, [pids[r] for r in sig.ranks]
-        if not inprocess.enabled():  # torchrun: one watcher per start of the workers
-            spawn(cfg.shm_dir, cfg.job_id, sig.node, mine, cfg.flush_dir, ranks=sig.ranks,
-                  hang_timeout=cfg.hang_timeout)
-            return
-        # in-process: the node's watcher stays for the job and is handed each
-        # generation's ranks (no Python start per node beside the first iteration after
-        # a recovery); one is started where the node has none (the first start, a node
-        # whose ranks all died, a spare node)
-        gen = int(os.environ.get(inprocess.ENV_GENERATION, "0"))
-        if node_status.adopt_watcher(cfg.shm_dir, cfg.job_id, sig.node, gen, mine, sig.ranks):
-            return
-        node_status.kill_watcher(cfg.shm_dir, cfg.job_id, sig.node)  # one not adopting
-        # written first: a list a watcher of an earlier generation left is never adopted
-        node_status.write_watch_list(cfg.shm_dir, cfg.job_id, sig.node, gen, mine, sig.ranks)
-        spawn(cfg.shm_dir, cfg.job_id, sig.node, mine, cfg.flush_dir, ranks=sig.ranks,
-              hang_timeout=cfg.hang_timeout, adopt=True)
+    # ---- start-up: recover, count_recovery, recovered_from_checkpoint, on_start ------
+    # (SessionStartup, reft_ext/session_startup.py)
 
     # ---- every iteration -----------------------------------------------------------
     def before_optimizer_step(self, state) -> None:
@@ -573,4 +336,3 @@ class ReftSession(_Trace, Session):
             host_bytes_per_node=snap.host_bytes_per_node(),
             nodes=self.adapter.world_size // self.cfg.ranks_per_node,
             protection=self.cfg.protect)
-

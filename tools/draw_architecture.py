@@ -54,6 +54,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("saving", ("reft_ext.save",)),
     ("loading", ("reft_ext.load",)),
     ("entry points and test machinery", ("reft_ext", "reft_ext.session",
+                                         "reft_ext.session_interface",
+                                         "reft_ext.session_startup",
                                          "reft_ext.sigterm_guard", "reft_ext.plan",
                                          "reft_ext.testing.faults",
                                          "reft_ext.testing.fault_specs",

@@ -3,7 +3,8 @@
 from reft_ext._exports import lazy_exports
 
 _EXPORTS = {  # module: the names it offers
-    "replica": ("AORReplica", "OwnerShard"),
+    "replica": ("AORReplica",),
+    "owner": ("OwnerShard",),
     "transport": ("AORTransport", "connect"),
 }
 __all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -38,7 +38,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from reft_ext.protect.aor.replica import AORReplica, OwnerShard, host_buffer
+from reft_ext.protect.aor.owner import OwnerShard
+from reft_ext.protect.aor.replica import AORReplica
+from reft_ext.protect.aor.shard_layout import host_buffer
 from reft_ext.protect.placement import place
 from reft_ext.report.events import emit
 from reft_ext.report.threads import join_or_warn
