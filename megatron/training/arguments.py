@@ -36,7 +36,7 @@ def _check_paths(args) -> None:
         _fail(*bad)
     check_paths(args, _fail)
     if args.data_path and not args.mock_data:
-        from megatron.training.data import data_path_prefixes, dataset_tokenizer_error
+        from megatron.training.dataset_files import data_path_prefixes, dataset_tokenizer_error
 
         try:
             why = dataset_tokenizer_error(data_path_prefixes(args.data_path),

@@ -16,14 +16,14 @@ def check_paths(args, _fail) -> None:
     from reft_ext.config import ReftConfig
 
     if args.data_path is not None and not args.mock_data:
-        from megatron.training.data import data_path_error
+        from megatron.training.dataset_files import data_path_error
 
         why = data_path_error(args.data_path, args.tokenizer_type)
         if why:
             _fail("--data-path", why)
     with warnings.catch_warnings():  # megatron-core's import notes: not this start's error
         warnings.simplefilter("ignore")
-        from megatron.training.data import data_cache_path_error
+        from megatron.training.data_cache_dir import data_cache_path_error
 
     why = data_cache_path_error(args.data_cache_path)  # megatron-core unpickles from it
     if why:

@@ -22,16 +22,16 @@ from hypothesis import strategies as st
 from tests.harness.run import REPO as REPO_ROOT
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
-from megatron.training import data as data_mod  # noqa: E402
+from megatron.training import dataset_files  # noqa: E402
 from megatron.training.data import (  # noqa: E402
     MegatronPretrainingSampler,
     build_train_valid_test_data_iterators,
-    ensure_preprocessed,
 )
+from megatron.training.dataset_files import ensure_preprocessed  # noqa: E402
 from megatron.training.poisoned_samples import parse_sample_ranges  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer  # noqa: E402
 
-preprocess_tool = data_mod._load_preprocess_tool()
+preprocess_tool = dataset_files._load_preprocess_tool()
 
 TEXTS = [
     "In the beginning was the byte.\n",

@@ -16,12 +16,10 @@ import tempfile
 import pytest
 
 from megatron.training import data as data_mod
-from megatron.training.data import (
-    UnsafeCacheDirError,
-    build_train_valid_test_datasets,
-    ensure_preprocessed,
-    private_dir,
-)
+from megatron.training import data_cache_dir
+from megatron.training.data import build_train_valid_test_datasets
+from megatron.training.data_cache_dir import UnsafeCacheDirError, private_dir
+from megatron.training.dataset_files import ensure_preprocessed
 from megatron.training.tokenizer import build_tokenizer
 from tests.unit.test_data import make_args, write_jsonl
 
@@ -202,7 +200,7 @@ def test_planted_symlink_at_old_lock_path_is_not_followed(xdg, shared_tmp, tmp_p
         os.symlink(victim, p)
 
     data_mod.ensure_dataset_helpers()
-    with data_mod._file_lock("helpers_cpp"):
+    with data_cache_dir._file_lock("helpers_cpp"):
         pass
     assert ensure_preprocessed(str(src)) == prefix  # takes the preprocess lock
 
@@ -221,24 +219,24 @@ def test_planted_symlink_at_old_lock_path_is_not_followed(xdg, shared_tmp, tmp_p
 def test_symlink_inside_lock_dir_is_refused_not_followed(xdg, tmp_path):
     victim = tmp_path / "precious.txt"
     victim.write_text("precious\n")
-    with data_mod._file_lock("probe"):
+    with data_cache_dir._file_lock("probe"):
         pass
     locks = xdg / "reft-megatron" / "data-cache" / ".locks"
     (locks / "megatron_data_planted.lock").symlink_to(victim)
     with pytest.raises(UnsafeCacheDirError, match="symlink"):
-        with data_mod._file_lock("planted"):
+        with data_cache_dir._file_lock("planted"):
             pass
     assert victim.read_text() == "precious\n"
 
 
 @needs_root
 def test_foreign_owned_lock_dir_is_refused(xdg):
-    with data_mod._file_lock("probe"):
+    with data_cache_dir._file_lock("probe"):
         pass
     locks = xdg / "reft-megatron" / "data-cache" / ".locks"
     os.chown(locks, NOBODY, NOBODY)
     with pytest.raises(UnsafeCacheDirError, match=f"lock directory {locks}"):
-        with data_mod._file_lock("probe"):
+        with data_cache_dir._file_lock("probe"):
             pass
 
 
@@ -246,8 +244,8 @@ def test_data_cache_path_error_for_argument_validation(xdg, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     os.chmod(bad, 0o777)
-    msg = data_mod.data_cache_path_error(str(bad))
+    msg = data_cache_dir.data_cache_path_error(str(bad))
     assert msg and "\n" not in msg and str(bad) in msg and f"chmod 700 {bad}" in msg
-    assert data_mod.data_cache_path_error(str(tmp_path / "good")) is None
-    assert data_mod.data_cache_path_error(None) is None  # the default root, created 0700
+    assert data_cache_dir.data_cache_path_error(str(tmp_path / "good")) is None
+    assert data_cache_dir.data_cache_path_error(None) is None  # the default root, created 0700
     assert stat.S_IMODE((xdg / "reft-megatron" / "data-cache").stat().st_mode) == 0o700

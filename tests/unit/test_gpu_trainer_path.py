@@ -14,7 +14,7 @@ from megatron.training import llama_model
 from megatron.training.arguments import (ArgumentError, build_parser, resolve_transformer_impl,
                                          validate_args)
 from megatron.training.initialize import distributed_backend
-from megatron.training.training import batch_device, batch_to_device
+from megatron.training.training_loop import batch_device, batch_to_device
 
 CUDA = torch.cuda.is_available()
 TE = CUDA and llama_model.transformer_engine_missing() is None

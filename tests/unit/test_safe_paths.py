@@ -94,7 +94,7 @@ def test_a_link_or_directory_of_another_user_on_the_way_is_refused(tmp_path):
 # ---- the dataset cache ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from megatron.training.data import ensure_preprocessed
+    from megatron.training.dataset_files import ensure_preprocessed
     from tests.unit.test_data import write_jsonl
 
     d = tmp_path_factory.mktemp("safecorpus")
@@ -117,16 +117,16 @@ class Payload:
 
 @needs_setpriv
 def test_cache_parent_swapped_after_the_check_changes_nothing(corpus, shared, monkeypatch):
-    from megatron.training import data as data_mod, dataset_cache
+    from megatron.training import data as data_mod, data_cache_dir, dataset_cache
     from megatron.training.tokenizer import build_tokenizer
     from tests.unit.test_data import make_args
 
     monkeypatch.setenv("XDG_CACHE_HOME", os.path.join(shared, "xdg"))
-    monkeypatch.setattr(data_mod, "_held", {})
+    monkeypatch.setattr(data_cache_dir, "_held", {})
     monkeypatch.setattr(dataset_cache, "_kept", {})
     args = make_args(data_path=[corpus], data_cache_path=os.path.join(shared, "p", "cache"))
     good = data_mod.build_train_valid_test_datasets(args, build_tokenizer(args))[0]
-    fp = data_mod._data_fingerprint([corpus])
+    fp = data_cache_dir._data_fingerprint([corpus])
     real = os.path.join(shared, "p", "cache", fp)
     names = sorted(n for n in os.listdir(real) if n.endswith(".npy"))
     assert names
@@ -147,9 +147,9 @@ def test_cache_parent_swapped_after_the_check_changes_nothing(corpus, shared, mo
 
     # a new start: the check passes (every directory root's or this user's) and the
     # directory is held ...
-    monkeypatch.setattr(data_mod, "_held", {})
+    monkeypatch.setattr(data_cache_dir, "_held", {})
     monkeypatch.setattr(dataset_cache, "_kept", {})
-    held = data_mod.data_cache_path(args, [corpus])
+    held = data_cache_dir.data_cache_path(args, [corpus])
     assert held.startswith("/proc/self/fd/")
     # ... then, before megatron-core opens the index files, the other user swaps the
     # parent (here given the right to: the hook point of the attack)
@@ -172,7 +172,7 @@ def test_cache_parent_swapped_after_the_check_changes_nothing(corpus, shared, mo
 def test_cache_below_another_users_directory_is_refused(corpus, shared, monkeypatch):
     """The issue's set-up: XDG_CACHE_HOME below a directory another user owns; the job's
     own 0700 cache there passed the old check."""
-    from megatron.training import data as data_mod
+    from megatron.training import data as data_mod, data_cache_dir
     from megatron.training.tokenizer import build_tokenizer
     from tests.unit.test_data import make_args
 
@@ -182,10 +182,10 @@ def test_cache_below_another_users_directory_is_refused(corpus, shared, monkeypa
     xdg = os.path.join(theirs, "xdg")
     os.mkdir(xdg, 0o700)  # (root may write there; the job's own directory, as in the issue)
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
-    monkeypatch.setattr(data_mod, "_held", {})
-    msg = data_mod.data_cache_path_error(None)
+    monkeypatch.setattr(data_cache_dir, "_held", {})
+    msg = data_cache_dir.data_cache_path_error(None)
     assert msg and "\n" not in msg and f"{theirs}, which belongs to uid {NOBODY}" in msg
-    with pytest.raises(data_mod.UnsafeCacheDirError):
+    with pytest.raises(data_cache_dir.UnsafeCacheDirError):
         args = make_args(data_path=[corpus])
         data_mod.build_train_valid_test_datasets(args, build_tokenizer(args))
 

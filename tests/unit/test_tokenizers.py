@@ -23,6 +23,7 @@ from tests.harness.run import REPO
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 from megatron.training import data as data_mod  # noqa: E402
+from megatron.training import dataset_files  # noqa: E402
 from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
 from megatron.training.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
 from megatron.training.tokenizer_files import read_dataset_tokenizer_info  # noqa: E402
@@ -31,7 +32,7 @@ CORPUS = os.path.join(REPO, "data", "pd_english.jsonl.gz")
 HF, SP = "HuggingFaceTokenizer", "SentencePieceTokenizer"
 SAMPLES = ["And God said, Let there be light: and there was light.\n",
            "  leading, double  spaces and a trailing tab\t", "naïve café ∑ 😀 — ok", ""]
-preprocess_tool = data_mod._load_preprocess_tool()
+preprocess_tool = dataset_files._load_preprocess_tool()
 
 
 def _load_train_tool():
@@ -226,11 +227,11 @@ def test_dataset_of_another_tokenizer_is_refused(bpe_dir, sp_model, slice_jsonl,
     # a dataset with no record (Megatron-LM's tool): ids past the vocabulary give it away
     os.remove(prefix + ".tokenizer-info.json")
     with pytest.raises(TokenizerError, match="outside this tokenizer's vocabulary of 258"):
-        data_mod.check_dataset_tokenizer([prefix], build_tokenizer(args))
+        dataset_files.check_dataset_tokenizer([prefix], build_tokenizer(args))
     # ensure_preprocessed never overwrites another tokenizer's data set with byte-level ids
     src = tmp_path / "corpus.jsonl"
     shutil.copy(slice_jsonl, src)
     made = preprocess(str(src), str(tmp_path / "corpus"), HF, bpe_dir)
     os.utime(src, (os.path.getmtime(made + ".idx") + 10,) * 2)  # the corpus changed since
     with pytest.raises(TokenizerError, match="--data-path"):
-        data_mod.ensure_preprocessed(made)
+        dataset_files.ensure_preprocessed(made)
