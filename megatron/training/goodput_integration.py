@@ -5,7 +5,7 @@ reft_ext/cluster/stragglers.py).
 ``Trainer.goodput`` is one :class:`GoodputTracker` per process: it lives across
 in-process restarts (the trainer object does), and a new process of the same run goes on
 from its rank's newest ``goodput`` event in ``$REFT_EVENTS_FILE``. The loop calls it at
-each change of what the rank is doing (thin call sites in training.py); every
+each change of what the rank is doing (thin call sites in training_loop.py); every
 ``--log-interval`` it records the totals and writes TensorBoard scalars, every
 ``--reft-straggler-interval`` it exchanges the phase times, and at the end rank 0 prints
 ``[REFT] goodput: ...`` for the whole job (the mean of every rank's figures).

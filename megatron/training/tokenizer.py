@@ -16,7 +16,7 @@ tokenizers it holds the files' sha256, so another tokenizer never reuses cached 
 
 A dataset records the tokenizer it was made with next to its .bin/.idx
 (`<prefix>.tokenizer-info.json`, written by tools/preprocess_data.py); training checks it
-against its own (megatron/training/data.py) so tokens are never read with the wrong vocabulary.
+against its own (megatron/training/dataset_files.py) so tokens are never read with the wrong vocabulary.
 """
 
 import math
