@@ -92,7 +92,7 @@ class TrainingState:
             for name, p in chunk.module.named_parameters():
                 out.append((f"model{i}.{name}", p.data))
                 model_ptrs.add(p.data.untyped_storage().data_ptr())
-        # the optimizer's state tensors as its kind keeps them (optimizer_state.py's
+        # the optimizer's state tensors as its kind keeps them (optimizer_kinds.py's
         # table): Adam's exp_avg/exp_avg_sq keep their names, SGD adds momentum_buffer
         for j, (p, st, keys) in enumerate(optimizer_state.captured_states(self.optimizer)):
             if p.data.untyped_storage().data_ptr() not in model_ptrs:

@@ -1,6 +1,6 @@
 """bf16 with the non-distributed optimizer: saving a checkpoint failed ("Param id N does
 not match any model sharded param": the fp32 RMSNorm weights' optimizer state,
-optimizer_state.py's upstream bug 5). N iterations in one go == N/2, save, stop, restart
+optimizer_checkpoint_fixes.py's upstream bug 5). N iterations in one go == N/2, save, stop, restart
 with --load, N/2 more, bit for bit (state hash, final checkpoint, every loss)."""
 
 import os

@@ -20,7 +20,7 @@ from reft_ext.protect.aor.shard_layout import (HEADER_MAGIC, GroupSpec, ShardSpe
 
 def aor_kind(opt) -> str | None:
     """The optimizer kinds AOR protects (the AOR column of megatron/training/
-    optimizer_state.py's table): "adam" for torch's Adam/AdamW (replayed bit for bit on
+    optimizer_kinds.py's table): "adam" for torch's Adam/AdamW (replayed bit for bit on
     a CPU owner), "fused_adam" for apex's and TransformerEngine's FusedAdam (the same
     update, moments in ``state``, the step count in each param group, AdamW unless
     ``adam_w_mode`` is off; replayed with torch's Adam, so exact only where verified and
