@@ -146,7 +146,7 @@ def reserve_worker_ports() -> None:
 
 # the agent: torchrun, with the workers' port reserved and the ``reft`` rendezvous (no
 # pickle from the store: reft_ext/cluster/rendezvous.py); its command line still names
-# torch.distributed.run: reft_integration and the benchmarks look for that
+# torch.distributed.run: startup_health_check and the benchmarks look for that
 AGENT_MAIN = ("import sys; sys.path.insert(0, {repo!r}); import tools.launch_nodes as nodes; "
               "nodes.reserve_worker_ports(); import torch.distributed.run as run; "
               "import reft_ext.cluster.torchrun as reft_run; reft_run.main()")

@@ -13,7 +13,7 @@ __all__ = ["install", "install_from_args"]  # install: the observer for specs at
 
 
 def install_from_args(args, rank: int) -> list[FaultSpec]:
-    """Parse ``--inject-fault`` (arguments.py validated it) and put this rank's observer
+    """Parse ``--inject-fault`` (argument_validation.py validated it) and put this rank's observer
     behind fault_point when the flag names the rank; returns the specs, empty without the
     flag (REFT's session hands the REFT damage of their modes to the observer)."""
     specs = parse_fault_specs(args.inject_fault) if args.inject_fault else []

@@ -3,7 +3,7 @@
 Llama = RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings, no biases.
 --transformer-impl picks the layer spec: the local spec (torch norms, no fusions) on
 CPU and wherever TransformerEngine is missing; TE's spec by default where it is installed
-and CUDA is present (arguments.py resolves and checks the flag).
+and CUDA is present (argument_validation.py resolves and checks the flag).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The places a start reads and writes, checked on this machine before any work (the data
 set, its cache, --save and --load, the save-on-failure directory). Apart from
-megatron/training/arguments.py's validate_args, which judges flags and layouts alone (a
+megatron/training/argument_validation.py's validate_args, which judges flags and layouts alone (a
 script's dry run on a laptop, an elastic shrink's new layout)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import warnings
 def check_paths(args, _fail) -> None:
     """The places a start reads and writes, checked on this machine before any work:
     the data set exists, --save and the save-on-failure directory can be written.
-    ``_fail(flag, why)``: the trainer's flag error (arguments.py's, which raises)."""
+    ``_fail(flag, why)``: the trainer's flag error (argument_validation.py's, which raises)."""
     from reft_ext.config import ReftConfig
 
     if args.data_path is not None and not args.mock_data:

@@ -4,8 +4,8 @@ pair that failed are regrouped in a second round with nodes that passed, which n
 bad node. Every rank ends with the same verdict (gathered over a gloo group).
 
 Library only (no megatron.training): ``run_health_check`` returns a ``HealthReport``; the
-trainer's call site (megatron/training/reft_integration.py) decides what happens to a failed
-node. Flags: ``HealthConfig`` (reft_ext/cluster/health_config.py).
+trainer's call site (megatron/training/startup_health_check.py) decides what happens to a
+failed node. Flags: ``HealthConfig`` (reft_ext/cluster/health_config.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What REFT's host memory does when the start-up health check (health.py) fails a node
 and the job shrinks or stops (docs/nodes.md). The trainer's call site
-(megatron/training/reft_integration.py) decides who stays and who leaves; what that
+(megatron/training/startup_health_check.py) decides who stays and who leaves; what that
 means for the shared memory, and the note REFT-load reads after the restart
 (reft_ext/load/reshard.py), is decided here: the handover note's format is this module's,
 which REFT-load imports (the job's watching layer sits below loading).

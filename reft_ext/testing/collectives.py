@@ -27,7 +27,8 @@ OPS = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor"
        "broadcast", "broadcast_object_list", "barrier", "reduce_scatter_tensor",
        "gather_object", "scatter_object_list", "send", "recv", "isend", "irecv",
        "monitored_barrier")
-_REFT = (os.sep + "reft_ext" + os.sep, os.sep + "reft_integration.py")
+_REFT = (os.sep + "reft_ext" + os.sep, os.sep + "reft_integration.py",
+         os.sep + "startup_health_check.py")  # the trainer's REFT integration
 _SELF = os.path.abspath(__file__)
 
 

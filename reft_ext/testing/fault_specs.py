@@ -103,7 +103,7 @@ recovery reads it (two corruptions on two ranks, one kill: no race between them)
 This module is the grammar (:func:`parse_fault_spec`, :func:`format_fault_spec`), which
 phases a run can reach (:func:`check_fault_phases`) and the attempt a process is on
 (:func:`attempt`); reft_ext/testing/fault_observer.py fires the specs. The trainer
-validates its ``--inject-*`` flags with these parsers (megatron/training/arguments.py
+validates its ``--inject-*`` flags with these parsers (megatron/training/argument_validation.py
 turns a :class:`FaultSpecError` into its flag error).
 """
 
