@@ -94,17 +94,14 @@ def take_swap(trainer, due: dict, detector_named: dict[int, dict]) -> None:
     swap.past_commit(gen, rank)
     ctl.due = None
     if rank == ranks[0]:
-        info = detector_named.get(rank) or next(
-            (detector_named[r] for r in ranks if r in detector_named), None)
+        # the detector's entries are keyed by the group's index; each names its rank
+        named = {i["rank"]: i for i in detector_named.values()}
+        info = next((named[r] for r in ranks if r in named), None)
         left = trainer.args.train_iters - s.iteration
-        text = swap.swap_text(node, ranks, info, s.iteration, left) if info else (
-            f"straggler swap: node {node} (rank(s) {ranks[0]}-{ranks[-1]}) leaves after "
-            f"iteration {s.iteration}'s snapshot, committed on every rank; a warm spare "
-            f"takes its place")
-        events.emit("straggler_swap", text, node=node, ranks=ranks, iteration=s.iteration,
-                    agreed=due["agreed"], cost_s=(info or {}).get("cost_s", 0.0),
-                    ratio=(info or {}).get("ratio", 0.0),
-                    saved_s=(info or {}).get("cost_s", 0.0) * left)
+        cost = (info or {}).get("cost_s", 0.0)
+        events.emit("straggler_swap", swap.swap_text(node, ranks, info, s.iteration, left),
+                    node=node, ranks=ranks, iteration=s.iteration, agreed=due["agreed"],
+                    cost_s=cost, ratio=(info or {}).get("ratio", 0.0), saved_s=cost * left)
     if rank in ranks:
         others = [r for r in range(torch.distributed.get_world_size()) if r not in ranks]
         swap.wait_past_commit(gen, others)

@@ -135,10 +135,15 @@ def node_ranks(node: int, ranks_per_node: int) -> list[int]:
     return list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
 
 
-def swap_text(node: int, ranks: list[int], info: dict, iteration: int, left: int) -> str:
-    saved = info["cost_s"] * left
-    return (f"straggler swap: node {node} (rank(s) {ranks[0]}-{ranks[-1]}, "
-            f"{info['ratio']:.2f}x the other ranks' median) leaves after iteration "
-            f"{iteration}'s snapshot, committed on every rank; a warm spare takes its "
-            f"place. It cost the job {1000 * info['cost_s']:.1f} ms per iteration: "
-            f"{saved:.1f} s over the {left} iteration(s) left")
+def swap_text(node: int, ranks: list[int], info: dict | None, iteration: int,
+              left: int) -> str:
+    """The swap's line; ``info``: what the detector said of the node's rank (None where
+    the rank that speaks did not see it named: another data-parallel group did)."""
+    text = (f"straggler swap: node {node} (rank(s) {ranks[0]}-{ranks[-1]}"
+            + (f", {info['ratio']:.2f}x the other ranks' median" if info else "") +
+            f") leaves after iteration {iteration}'s snapshot, committed on every rank; a "
+            f"warm spare takes its place")
+    if info:
+        text += (f". It cost the job {1000 * info['cost_s']:.1f} ms per iteration: "
+                 f"{info['cost_s'] * left:.1f} s over the {left} iteration(s) left")
+    return text

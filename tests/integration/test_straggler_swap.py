@@ -69,3 +69,30 @@ def test_a_slow_node_is_swapped_for_a_spare_and_the_job_ends_bit_identical(
     assert max(f["swaps"] for f in finals.values()) == 1, finals
     assert "1 straggler swap" in run.output
     same_state(run, ref)
+
+
+@pytest.mark.slow  # the default tier swaps a one-rank node above
+@pytest.mark.timeout(420)
+def test_a_two_rank_node_holding_rank_0_is_swapped_whole(tmp_path, reference_runs):
+    """PP2 x DP2 with the pipeline inside a node (--use-tp-pp-dp-mapping): rank 1, node 0's
+    second rank, is made 4x slower. Node 0 (ranks 0 and 1: rank 0 included, whose
+    group may not have seen rank 1 named) leaves whole for two warm spares; ranks 2 and
+    3 restart in process; the end is the failure-free run's."""
+    ref_args = [*TINY, "--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping",
+                "--global-batch-size", "8", "--train-iters", str(ITERS)]
+    ref = reference_runs("pp2-node-swap", 4, ref_args)
+    args = [*ref_args, *reft("arc", ranks_per_node=None), *SWAP,
+            "--inject-fault", "1:3:CONT:slow:4"]
+    with launch(tmp_path, args, nnodes=2, nproc=2, spares=2, max_restarts=0) as L:
+        first_pids = L.sup.pids()
+        run = finish(L)
+        history = list(L.history)
+    assert run.returncode == 0, run.output[-6000:]
+    (swap,) = run.events_of("straggler_swap")
+    assert swap["node"] == 0 and swap["ranks"] == [0, 1], swap
+    assert re.search(r"\[REFT\] straggler swap: node 0 \(rank\(s\) 0-1", run.output)
+    assert len(history) == 1 and history[0]["planned"] and history[0]["dead"] == [0, 1]
+    for rank in (2, 3):  # the other node's ranks stayed in their processes
+        (restart,) = [e for e in run.events_of("inprocess_restart") if e["rank"] == rank]
+        assert restart["pid"] == first_pids[rank] and restart["iteration"] == swap["iteration"]
+    same_state(run, ref)

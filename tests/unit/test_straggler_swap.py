@@ -135,3 +135,15 @@ def test_the_capacity_is_read_only_when_signed():
     assert swap.read_capacity(store, secret) == 2
     store.set(key(swap.CAPACITY), sign(os.urandom(32), key(swap.CAPACITY), "9", 3))
     assert swap.read_capacity(store, secret) == 0  # forged: no spare assumed
+
+
+def test_the_swap_line_with_and_without_the_detectors_figures():
+    info = dict(ratio=3.0, cost_s=0.0656)
+    full = swap.swap_text(1, [2, 3], info, 8, 16)
+    assert full.startswith("straggler swap: node 1 (rank(s) 2-3, 3.00x the other ranks' "
+                           "median) leaves after iteration 8's snapshot")
+    assert full.endswith("It cost the job 65.6 ms per iteration: 1.0 s over the 16 "
+                         "iteration(s) left")
+    bare = swap.swap_text(1, [2, 3], None, 8, 16)  # another group named the node
+    assert bare == ("straggler swap: node 1 (rank(s) 2-3) leaves after iteration 8's "
+                    "snapshot, committed on every rank; a warm spare takes its place")
