@@ -29,17 +29,14 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks.bench_goodput import TINY as GOODPUT_TINY  # noqa: E402
 from reft_ext.report import events as ev  # noqa: E402
 from tools.inprocess_launcher import InProcessLauncher  # noqa: E402
 from tools.launch_nodes import LaunchConfig  # noqa: E402
 
-TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
-        "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--eval-interval", "1000",
-        "--eval-iters", "0", "--log-interval", "10", "--reft-snapshot-every", "1",
-        "--reft-protect", "arc"]
+# bench_goodput's tiny model, DP2, REFT arc every iteration
+TINY = [*GOODPUT_TINY, "--global-batch-size", "4", "--log-interval", "10",
+        "--reft-snapshot-every", "1", "--reft-protect", "arc"]
 
 
 def job(args: list[str], tmp: str) -> tuple[list[dict], list[dict]]:

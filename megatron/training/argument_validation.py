@@ -230,12 +230,6 @@ def _validate_zeropp(args):
               "add --reft-restart process")
 
 
-def _supervised() -> bool:
-    from reft_ext.cluster import inprocess
-
-    return inprocess.enabled()
-
-
 def _validate_reft(args):
     from reft_ext.config import ReftConfig, ReftConfigError
     from reft_ext.cluster.health_config import HealthConfig
@@ -247,8 +241,10 @@ def _validate_reft(args):
         rollback = RollbackConfig.from_args(args)
         from reft_ext.cluster.straggler_config import StragglerConfig
 
+        from reft_ext.cluster import inprocess
+
         swap = StragglerConfig.from_args(args).swap_problem(  # its flags' checks
-            cfg, args.reft_restart == "in-process", _supervised())
+            cfg, args.reft_restart == "in-process", inprocess.enabled())
         if swap:
             raise ReftConfigError(f"--reft-replace-stragglers: {swap}")
     except ReftConfigError as exc:

@@ -32,9 +32,7 @@ class GoodputTracker:
         self.ledger = Ledger(t_process)
         self.cfg = StragglerConfig.from_args(args)
         self.clock = stragglers.PhaseClock() if self.cfg.enabled else None
-        self.detector = stragglers.Detector(self.cfg.straggler_threshold,
-                                            self.cfg.straggler_window,
-                                            self.cfg.straggler_interval)
+        self.detector = self._detector()
         self.carried = False
         self.every = max(1, getattr(args, "reft_snapshot_every", 0) or 1)
         self.per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -45,6 +43,11 @@ class GoodputTracker:
         self.swap = SwapControl(args, self.per_node) if self.cfg.replace_stragglers \
             else None
         self.due_swap: dict | None = None  # the swap to take at the end of this iteration
+
+    def _detector(self) -> stragglers.Detector:
+        c = self.cfg
+        return stragglers.Detector(c.straggler_threshold, c.straggler_window,
+                                   c.straggler_interval)
 
     # ---- what the rank is doing -------------------------------------------------
     def switch(self, category: str) -> None:
@@ -66,9 +69,7 @@ class GoodputTracker:
         if self.clock is not None:
             self.clock.restart()
         self._pending, self.due_swap = None, None
-        self.detector = stragglers.Detector(self.cfg.straggler_threshold,
-                                            self.cfg.straggler_window,
-                                            self.cfg.straggler_interval)
+        self.detector = self._detector()
         if self.swap is not None:
             self.swap.restarted()
 
