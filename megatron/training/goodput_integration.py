@@ -9,6 +9,11 @@ each change of what the rank is doing (thin call sites in training_loop.py); eve
 ``--log-interval`` it records the totals and writes TensorBoard scalars, every
 ``--reft-straggler-interval`` it exchanges the phase times, and at the end rank 0 prints
 ``[REFT] goodput: ...`` for the whole job (the mean of every rank's figures).
+
+The records go to ``$REFT_EVENTS_FILE`` when it is set, else to a private file of the
+job named by its job id (reft_ext/report/goodput.py ``default_path``), so a process
+torchrun restarts goes on from them with no variable set; a job that ends normally
+removes that file.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class GoodputTracker:
         self.swap = SwapControl(args, self.per_node) if self.cfg.replace_stragglers \
             else None
         self.due_swap: dict | None = None  # the swap to take at the end of this iteration
+        self._path: str | None = None  # where the records go (:meth:`records_path`)
+        self._own_file = False  # the default file (removed at a normal end)
 
     def _detector(self) -> stragglers.Detector:
         c = self.cfg
@@ -84,10 +91,25 @@ class GoodputTracker:
         if self.carried:
             return
         self.carried = True
-        prev = goodput.previous(os.environ.get(events.ENV), state.extra.get("run_id"),
+        prev = goodput.previous(self.records_path(), state.extra.get("run_id"),
                                 torch.distributed.get_rank(), os.getpid())
         if prev is not None:
             self.ledger.carry(prev, state.iteration)
+
+    def records_path(self) -> str | None:
+        """``$REFT_EVENTS_FILE``, else the job's private default file (None where its
+        directory cannot be this user's: the books then stay this process's)."""
+        if self._path is None:
+            env = os.environ.get(events.ENV)
+            if env:
+                self._path = env
+            else:
+                from reft_ext.config import ReftConfig
+
+                job = ReftConfig.from_args(self.args).job_id
+                self._path = goodput.prepare_default(goodput.default_path(job)) or ""
+                self._own_file = bool(self._path)
+        return self._path or None
 
     def begin_iteration(self, iteration: int) -> None:
         self.ledger.begin_iteration()
@@ -144,8 +166,13 @@ class GoodputTracker:
         t0 = time.perf_counter()
         rows = ex.rows()
         self.exchange_s += time.perf_counter() - t0
-        self.ledger.move(PRODUCTIVE, "straggler_wait", stragglers.waited(rows, me))
         rep = self.detector.observe(rows, it)
+        # waiting for a rank the detector names slow (its index in the group); waiting
+        # for a rank nobody named is the sync's ordinary cost: stays productive
+        slow = [r for r in self.detector.named if r != me]
+        if slow:
+            sub = [rows[r] for r in slow] + [rows[me]]
+            self.ledger.move(PRODUCTIVE, "straggler_wait", stragglers.waited(sub, len(slow)))
         for info in rep["named"] + rep["cleared"]:  # the group's index -> global rank
             info["rank"] = members[info["rank"]]
         if rep["slowest"] is not None:
@@ -180,7 +207,9 @@ class GoodputTracker:
     def _record(self, state, **extra) -> dict:
         rec = self.ledger.record(run=state.extra.get("run_id"), iteration=state.iteration,
                                  pid=os.getpid(), snapshot_every=self.every, **extra)
-        events.record(goodput.EVENT, **rec)
+        path = self.records_path()
+        if path:
+            events.record(goodput.EVENT, path=path, **rec)
         return rec
 
     # ---- the end ----------------------------------------------------------------
@@ -197,6 +226,11 @@ class GoodputTracker:
                            exchanges=self.exchanges)
         every = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, rec)
+        if self._own_file and os.environ.get("LOCAL_RANK", "0") == "0":
+            try:  # the job is over: no restarted process will look for its books
+                os.unlink(self._path)
+            except OSError:
+                pass
         if torch.distributed.get_rank() == 0:
             total = goodput.job_totals([r for r in every if r])
             events.emit("goodput_job", goodput_view.line(total, self.every), **total)

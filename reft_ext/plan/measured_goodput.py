@@ -70,7 +70,11 @@ def line(t: dict, snapshot_every: int = 1) -> str:
              if t.get("swaps") else "") + f"{t['iterations']} iterations kept): "
             f"{parts}; categories sum to {booked:.2f} s")
     p = predicted(t, snapshot_every)
-    if p is not None:
+    if p is not None and not t["failures"]:
+        # with no failure Daly's model returns the measured productive share itself
+        text += ("; planner comparison: no failure happened, nothing to compare (its "
+                 "model is checked against runs with failures)")
+    elif p is not None:
         text += (f"; planner predicts {100 * p['goodput']:.2f}% for {p['failures_per_hour']:.3g} "
                  f"failures/h, {p['restart_s']:.2f} s per recovery, {p['snapshot_ms']:.2f} ms "
                  f"snapshot blocking per {p['interval_s']:.3f} s of training; measured "
@@ -91,7 +95,9 @@ def table(t: dict, snapshot_every: int = 1) -> str:
                f"{t['rollbacks']} rollbacks, {t.get('swaps', 0)} straggler swaps, "
                f"{t['attempts']} process attempts, "
                f"{t['iterations']} iterations kept, mean of {t['ranks']} ranks)")
-    if p is not None:
+    if p is not None and not t["failures"]:
+        out.append("planner: no failure happened, nothing to compare")
+    elif p is not None:
         out.append(f"planner: {100 * p['goodput']:.2f}% predicted for "
                    f"{p['failures_per_hour']:.3g} failures/h, {p['restart_s']:.2f} s per "
                    f"recovery, {p['snapshot_ms']:.2f} ms snapshot blocking per "

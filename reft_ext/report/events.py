@@ -13,13 +13,18 @@ torchrun) unless the event names the rank it is about (a watcher reporting a hun
 Every process of a job (each rank, each node's watcher) appends to the same file: the
 file is opened with O_APPEND and each object is written with one ``write()``, so lines
 of different processes never interleave. It is created private (0600): events name
-paths and run ids. No torch here: the watcher processes import this module too.
+paths and run ids. The file is opened through its checked directory (reft_ext/safe_dir.py:
+no link followed on the way or at the file) and written only if this user's own: a name
+another user made first (a planted 0666 file, a link) is refused with one line, never
+fed the job's events. No torch here: the watcher processes import this module too.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import sys
 import time
 from enum import Enum
@@ -50,19 +55,56 @@ def _rank() -> int | None:
         return None
 
 
-def record(event: str, **fields) -> dict | None:
-    """Append one event to ``$REFT_EVENTS_FILE`` (nothing when it is unset); returns the
-    object written. A failed write never stops training: the event is lost, not the job."""
-    path = os.environ.get(ENV)
+_refused: set[str] = set()  # files refused once (said once per process)
+
+
+def open_own(path: str, flags: int) -> int:
+    """``os.open`` of an events (or goodput) file: through its directory's checked
+    descriptor (a directory this user may make files in: its own, or a sticky one such as
+    /tmp), never through a link, created exclusively (0600) or, when it exists, taken
+    only if this user's. ``OSError`` (with a one-line reason) otherwise."""
+    from reft_ext.safe_dir import PARENT, open_dir
+
+    with open_dir(os.path.dirname(os.path.abspath(path)), kind=PARENT) as d:
+        name = os.path.basename(path)
+        if flags & os.O_CREAT:
+            try:
+                return d.open(name, flags | os.O_EXCL, 0o600)
+            except FileExistsError:
+                pass
+        fd = d.open(name, flags & ~os.O_CREAT)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise PermissionError(errno.EACCES, f"{path} belongs to uid {st.st_uid} (or is not "
+                              f"a plain file): not this user's, not used")
+    return fd
+
+
+def refuse_once(path: str, exc: BaseException, what: str = "events") -> None:
+    """One line per file and process: why the job's records are not written there."""
+    if path in _refused:
+        return
+    _refused.add(path)
+    sys.stdout.write(f"[REFT] {what} file {path}: {exc}; its records are not written\n")
+    sys.stdout.flush()
+
+
+def record(event: str, *, path: str | None = None, **fields) -> dict | None:
+    """Append one event to ``$REFT_EVENTS_FILE`` (``path``: to that file instead; nothing
+    when neither names one); returns the object written. A failed write never stops
+    training: the event is lost, not the job."""
+    path = path or os.environ.get(ENV)
     if not path:
         return None
     obj = {"event": event, "rank": _rank(), "time": time.time(), **_plain(fields)}
     line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+    if path in _refused:
+        return None
     try:
-        # never through a planted link (O_NOFOLLOW): the events name paths and run ids
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW |
-                     os.O_CLOEXEC, 0o600)
-    except OSError:
+        fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError as exc:
+        refuse_once(path, exc)
         return None
     try:
         os.write(fd, line)
@@ -94,15 +136,19 @@ def reft_print(msg: str, event: str | None = None, **fields) -> None:
 
 def read(path: str) -> list[dict]:
     """Every event of a file written by :func:`record`, in the order written (a line a
-    killed process left half-written is skipped)."""
+    killed process left half-written is skipped). Read only through a checked directory,
+    never through a link, and only if this user's own (``PermissionError`` otherwise)."""
     out = []
     try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
+        fd = open_own(path, os.O_RDONLY)
     except FileNotFoundError:
-        pass
+        return out
+    with os.fdopen(fd, "rb") as f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
     return out

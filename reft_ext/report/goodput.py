@@ -234,34 +234,100 @@ def _startup_split(marks: dict, t0: float, total: float) -> dict[str, float]:
     return {"restore": restore, "rejoin": total - restore}
 
 
+def default_path(job_id: str) -> str:
+    """Where a job's goodput records go when ``$REFT_EVENTS_FILE`` is unset: a private
+    directory of this user's (``$TMPDIR/reft-<uid>/goodput``, 0700) holding one file per
+    job id, which a restarted process of the job (same id) finds on the same node."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"reft-{os.geteuid()}", "goodput",
+                        f"{job_id}.jsonl")
+
+
+def prepare_default(path: str) -> str | None:
+    """Make the private directories of :func:`default_path`; None (and one line said)
+    where they cannot be this user's own (another user made one first)."""
+    from reft_ext.report.events import refuse_once
+    from reft_ext.safe_dir import open_dir
+
+    try:
+        open_dir(os.path.dirname(os.path.dirname(path)), create=True, fix_mode=False).close()
+        open_dir(os.path.dirname(path), create=True).close()
+    except OSError as exc:
+        refuse_once(path, exc, what="goodput")
+        return None
+    return path
+
+
+_NUMBER = (int, float)
+
+
+def valid(rec) -> bool:
+    """A goodput record whose fields have the types :meth:`Ledger.carry` and
+    :func:`job_totals` read (a record with ``"failures": "pwned"`` is not one)."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("seconds"), dict):
+        return False
+    if not all(isinstance(v, _NUMBER) and not isinstance(v, bool) and v >= 0
+               and v == v and v != float("inf") for v in rec["seconds"].values()):
+        return False
+    for k in ("start", "wall", "time", "iteration_s"):
+        v = rec.get(k, 0.0)
+        if v is not None and (not isinstance(v, _NUMBER) or isinstance(v, bool) or v != v):
+            return False
+    for k in ("failures", "rollbacks", "swaps", "attempts", "iterations", "iteration"):
+        v = rec.get(k, 0)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            return False
+    return True
+
+
 def previous(path: str | None, run: str, rank: int, pid: int) -> dict | None:
-    """This rank's newest ``goodput`` record of run ``run`` written by another process."""
+    """This rank's newest ``goodput`` record of run ``run`` written by another process.
+    The file is read only if this user's own, never through a link
+    (reft_ext/report/events.py ``open_own``); a malformed record is skipped, with one
+    line (never fatal: the books start afresh rather than from forged figures)."""
+    from reft_ext.report.events import open_own, refuse_once
+
     if not path:
         return None
-    best = None
+    best, bad = None, 0
     try:
-        with open(path, "rb") as f:
-            for line in f:
-                if b'"goodput"' not in line:  # most lines are other events: no parse
-                    continue
-                try:
-                    e = json.loads(line)
-                except ValueError:
-                    continue
-                if e.get("event") == EVENT and e.get("run") == run and \
-                        e.get("rank") == rank and e.get("pid") != pid and \
-                        (best is None or e.get("time", 0) >= best.get("time", 0)):
-                    best = e
-    except OSError:
+        fd = open_own(path, os.O_RDONLY)
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        refuse_once(path, exc, what="goodput")
+        return None
+    with os.fdopen(fd, "rb") as f:
+        for line in f:
+            if b'"goodput"' not in line:  # most lines are other events: no parse
+                continue
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a line a killed process left half-written
+            # a final record: that process ended the job normally (a later one is a new
+            # launch, e.g. a re-run that loads its checkpoint; no failure to carry)
+            if not isinstance(e, dict) or e.get("event") != EVENT or e.get("run") != run \
+                    or e.get("rank") != rank or e.get("pid") == pid or e.get("final"):
+                continue
+            if not valid(e):
+                bad += 1
+                continue
+            if best is None or e.get("time", 0) >= best.get("time", 0):
+                best = e
+    if bad:
+        print(f"[REFT] goodput: {bad} malformed record(s) of rank {rank} in {path} "
+              f"skipped", flush=True)
     return best
 
 
 def latest(events: list[dict]) -> dict[str, dict[int, dict]]:
-    """run -> rank -> the newest goodput record of that rank (the job's totals)."""
+    """run -> rank -> the newest goodput record of that rank (the job's totals);
+    malformed records are left out."""
     out: dict[str, dict[int, dict]] = {}
     for e in events:
-        if e.get("event") != EVENT or e.get("rank") is None:
+        if e.get("event") != EVENT or not isinstance(e.get("rank"), int) or not valid(e):
             continue
         runs = out.setdefault(str(e.get("run")), {})
         old = runs.get(e["rank"])

@@ -3,9 +3,13 @@ object per line in $REFT_EVENTS_FILE (what the tests assert on, tests/harness/ev
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
+
+import pytest
 
 from reft_ext.report import events
 from reft_ext.save.snapshotter import reft_print
@@ -77,3 +81,50 @@ def test_a_half_written_line_is_skipped_and_queries(tmp_path):
     assert ev.one("recovered", rank=0)["source"] == "own"
     assert ev.by_rank("recovered") == {0: ev[0], 2: ev[1]}
     assert load(str(tmp_path / "missing.jsonl")) == []
+
+
+# ---- issue 60 item 3: an events file another user made or controls -----------------
+NOBODY = 65534
+SETPRIV = shutil.which("setpriv")
+needs_setpriv = pytest.mark.skipif(
+    not (os.geteuid() == 0 and SETPRIV and os.access("/usr/bin/python3", os.X_OK)),
+    reason="acting as user nobody needs root, setpriv (util-linux) and /usr/bin/python3")
+
+
+@needs_setpriv
+def test_an_events_file_another_user_made_is_neither_written_nor_read(capsys, monkeypatch):
+    """User nobody pre-creates the events file (0666) in sticky /tmp and fills it with
+    forged goodput records, and plants a link to a file of ours: no event of the job goes
+    into either, no forged record is carried; one line says why (never fatal)."""
+    from reft_ext.report import goodput
+
+    d = tempfile.mkdtemp(prefix="reft-ev-", dir="/tmp")
+    os.chmod(d, 0o1777)  # a shared scratch directory (sticky, like /tmp)
+    theirs, link = os.path.join(d, "events.jsonl"), os.path.join(d, "link.jsonl")
+    ours = os.path.join(d, "ours.txt")
+    forged = json.dumps({"event": "goodput", "rank": 0, "run": "r", "pid": 1, "time": 9e9,
+                         "seconds": {"productive": 1.0}, "failures": 4243, "attempts": 1000,
+                         "wall": 1.0, "start": 0.0})
+    try:
+        subprocess.run([SETPRIV, "--reuid", str(NOBODY), "--regid", str(NOBODY),
+                        "--clear-groups", "/usr/bin/python3", "-c",
+                        f"import os; fd = os.open({theirs!r}, os.O_WRONLY | os.O_CREAT, "
+                        f"0o666); os.fchmod(fd, 0o666); os.write(fd, {forged!r}.encode() "
+                        f"+ b'\\n'); os.symlink({ours!r}, {link!r})"],
+                       check=True, timeout=30)
+        assert os.stat(theirs).st_uid == NOBODY  # the attack was really made
+        with open(ours, "w") as f:
+            f.write("mine\n")
+        before = open(theirs).read()
+        for path in (theirs, link):
+            monkeypatch.setenv(events.ENV, path)
+            assert events.record("snapshot", iteration=1) is None
+            assert goodput.previous(path, "r", 0, pid=2) is None
+        out = capsys.readouterr().out
+        assert f"events file {theirs}: " in out and "belongs to uid 65534" in out
+        assert f"events file {link}: " in out
+        assert open(theirs).read() == before and open(ours).read() == "mine\n"
+        with pytest.raises(PermissionError):
+            events.read(theirs)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

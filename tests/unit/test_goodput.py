@@ -7,6 +7,8 @@ rank is named."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 
 import pytest
@@ -200,3 +202,49 @@ def test_the_status_tool_shows_a_jobs_goodput_from_its_own_events_file(tmp_path,
     os.chown(path, 65534, 65534)  # another user's file: its figures are not shown
     assert reft_status.main(["--events", str(path), "--shm-dir", str(tmp_path)]) == 1
     assert "--events: cannot read" in capsys.readouterr().err
+
+
+def test_no_failure_says_the_planner_compares_nothing():
+    led = Ledger(time.time() - 1.0)
+    _iterations(led, 1, 5)
+    text = goodput_view.line(goodput.job_totals([led.record()]), 1)
+    assert "planner comparison: no failure happened, nothing to compare" in text
+    assert "planner predicts" not in text
+
+
+def test_malformed_and_final_records_are_skipped_never_fatal(tmp_path, capsys):
+    """issue 60 item 3: a forged count ("pwned"), a negative second, a record that is not
+    an object: skipped with one line; a final record (a job that ended) is not carried."""
+    path = tmp_path / "events.jsonl"
+    led = Ledger(time.time() - 5.0)
+    _iterations(led, 1, 3)
+    good = {"event": goodput.EVENT, "rank": 0, "time": time.time(), "pid": 1, "run": "r",
+            **led.record(iteration=3)}
+    bad = [dict(good, failures="pwned", time=good["time"] + 1),
+           dict(good, seconds={"productive": -1.0}, time=good["time"] + 2),
+           dict(good, final=True, time=good["time"] + 3)]
+    path.write_text("".join(json.dumps(e) + "\n" for e in [good, *bad]) +
+                    '["goodput"]\n')
+    prev = goodput.previous(str(path), "r", 0, pid=2)
+    assert prev is not None and prev["time"] == good["time"]
+    assert "2 malformed record(s) of rank 0" in capsys.readouterr().out
+    new = Ledger(time.time())
+    new.carry(prev, restored=3)
+    assert new.failures == 1 and new.attempts == 1
+    assert list(goodput.latest([*bad[:2]]).values()) == []
+
+
+def test_the_default_records_file_is_private_and_per_job(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    path = goodput.default_path("job-7")
+    assert path == str(tmp_path / f"reft-{os.geteuid()}" / "goodput" / "job-7.jsonl")
+    assert goodput.prepare_default(path) == path
+    for d in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    from reft_ext.report import events
+    events.record(goodput.EVENT, path=path, run="r", seconds={"productive": 1.0})
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    os.symlink(path, str(tmp_path / "link.jsonl"))
+    assert goodput.previous(str(tmp_path / "link.jsonl"), "r", None, pid=0) is None
