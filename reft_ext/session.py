@@ -83,6 +83,7 @@ class ReftSession(_Trace, SessionStartup, Session):
         # set by a trainer that opens this session after an in-process restart
         self.restarted_in_process = False
         self._hook_s = self._hook_cpu = 0.0  # this iteration's hooks: wall, CPU
+        self.hooks_total = [0.0, 0]  # this process's hooks: wall seconds, iterations
         collectives.maybe_install()  # REFT_COUNT_COLLECTIVES=1 only (issue 34's checks)
 
     def _check_shm_dir(self) -> set[str]:
@@ -159,9 +160,12 @@ class ReftSession(_Trace, SessionStartup, Session):
         # REFT's part of this iteration (REFT_COUNT_COLLECTIVES=1: its collectives too);
         # CPU time beside wall time: on an oversubscribed host the wall time inside a
         # hook grows with the ranks waiting for a core, the CPU time only with the work
-        collectives.end_iteration(state.iteration,
-                                  self._hook_s + time.perf_counter() - t0,
+        wall = self._hook_s + time.perf_counter() - t0
+        collectives.end_iteration(state.iteration, wall,
                                   self._hook_cpu + time.thread_time() - c0)
+        self.hooks_total[0] += wall
+        self.hooks_total[1] += 1
+        self.snap.log.hooks_s.append(wall)  # the [REFT] snapshots line's figure
         self._hook_s = self._hook_cpu = 0.0
 
     def _after_step(self, state) -> None:
@@ -289,6 +293,10 @@ class ReftSession(_Trace, SessionStartup, Session):
                            f"{self.adapter.world_size} ranks, {checks[1].item()} mismatches",
                            event="aor_checks", verifications=checks[0].item(),
                            ranks=self.adapter.world_size, mismatches=checks[1].item())
+        # REFT's hooks over the job (what goodput books as "snapshot"): the summary's
+        hooks = torch.tensor(self.hooks_total, dtype=torch.float64)
+        torch.distributed.all_reduce(hooks, group=self.adapter.control_group)
+        self._job_hooks = (hooks[0].item(), int(hooks[1].item()), self.adapter.world_size)
         if self.adapter.rank == 0 and self.cfg.enabled:
             reft_print(self.summary(state))
         self.close()
@@ -335,4 +343,4 @@ class ReftSession(_Trace, SessionStartup, Session):
             blocked_s=snap.blocked_history, iteration_s=self.iteration_s,
             host_bytes_per_node=snap.host_bytes_per_node(),
             nodes=self.adapter.world_size // self.cfg.ranks_per_node,
-            protection=self.cfg.protect)
+            protection=self.cfg.protect, hooks=getattr(self, "_job_hooks", None))

@@ -40,6 +40,9 @@ class SnapshotLog:
         self.blocked_s, self.copy_s, self.committed_ms = Window(), Window(), Window()
         self.tiers: dict | None = None  # schedule tier -> bytes summed (rank 0's)
         self.max_blocked_s = self.max_copy_s = 0.0
+        # rank 0's REFT hooks per iteration (wall: its collectives' waits included; fed
+        # by the session after each iteration, so the window's last one counts in the next)
+        self.hooks_s = Window()
 
     def window(self, iteration: int) -> int:
         return -(-iteration // self.length)  # k of (k-1)*L < iteration <= k*L
@@ -93,12 +96,17 @@ class SnapshotLog:
             mx_blocked, mx_copy = maxima or (self.max_blocked_s, self.max_copy_s)
             whose = "slowest rank" if maxima else "rank 0"
             copies = f", rank 0's {n} copies" if n > 1 else ", rank 0's copy"
+            hooks = statistics.median(self.hooks_s) if len(self.hooks_s) else None
+            said = "" if hooks is None else (
+                f"REFT's hooks {_ms(hooks)} per iteration (rank 0's median, what goodput "
+                f"books as snapshot), of it ")
             emit("snapshot_interval",
                  f"snapshots of {its}: {n} x {_what(what)}"
-                 f"{_tiers(schedule, self.tiers, copies)}; training blocked {_ms(blocked)} "
-                 f"median, {_ms(mx_blocked)} max; copy {_ms(copy)} median, {_ms(mx_copy)} "
-                 f"max (median: rank 0, max: {whose}); committed {committed:.1f} ms after "
-                 f"the step (median)",
+                 f"{_tiers(schedule, self.tiers, copies)}; {said}training blocked "
+                 f"{_ms(blocked)} median, {_ms(mx_blocked)} max; copy {_ms(copy)} median, "
+                 f"{_ms(mx_copy)} max (median: rank 0, max: {whose}); committed "
+                 f"{committed:.1f} ms after the step (median)",
+                 hooks_ms=None if hooks is None else 1000 * hooks,
                  first=first, last=last, snapshots=n, **what, schedule=schedule,
                  tiers=self.tiers, blocked_ms={"median": 1000 * blocked,
                                                "max": 1000 * mx_blocked},

@@ -72,22 +72,44 @@ def _of(values, what: str) -> str:
     return ""
 
 
+BENCHMARK = "python benchmarks/bench_overhead.py"  # what measures the slowdown (A/B)
+
+
 def format_summary(*, extra: dict, every: int, regions: dict, blocked_s, iteration_s,
-                   host_bytes_per_node: int, nodes: int, protection: str) -> str:
+                   host_bytes_per_node: int, nodes: int, protection: str,
+                   hooks: tuple[float, int, int] | None = None) -> str:
     """One line (without the ``[REFT]`` prefix). ``regions``: name -> bytes per rank;
-    ``blocked_s`` (per snapshot), ``iteration_s``: lists or :class:`Window` s."""
+    ``blocked_s`` (per snapshot), ``iteration_s``: lists or :class:`Window` s;
+    ``hooks``: (seconds, iterations, ranks) of REFT's hooks summed over the ranks, the
+    wall time goodput books as "snapshot": what REFT costs the iteration on the
+    training thread, its collectives' waiting included. The copy wait is only a part
+    of it. What snapshots slow training by against a run without them (cores and
+    memory bandwidth shared with the copies) no line of the job can measure: the line
+    names the benchmark that does."""
     c = counters(extra)
     total = sum(regions.values())
     parts = ", ".join(f"{k} {_mib(v)}" for k, v in regions.items() if v)
     line = (f"summary: {c['snapshots']} snapshots (every {every} iteration"
             f"{'s' if every != 1 else ''}, --reft-protect {protection}), "
             f"{_mib(total)} MiB per rank ({parts} MiB)")
-    if blocked_s and iteration_s:
+    it = statistics.median(iteration_s) if iteration_s else None
+    if hooks is not None and hooks[1] > 0:
+        seconds, iterations, ranks = hooks
+        per = seconds / iterations
+        line += (f"; REFT's hooks {1000 * per:.2f} ms per iteration (mean of {ranks} "
+                 f"ranks, {seconds / max(1, ranks):.2f} s per rank in all: goodput's "
+                 f"\"snapshot\" of this process)")
+        if it:
+            line += (f", {100 * per / it:.2f}% of the median iteration ({1000 * it:.1f} ms"
+                     f"{_of(iteration_s, 'iterations')})")
+    if blocked_s:
         blocked = statistics.median(blocked_s)
-        it = statistics.median(iteration_s)
-        line += (f"; training blocked {1000 * blocked:.2f} ms per snapshot (median"
-                 f"{_of(blocked_s, 'snapshots')}), {100 * blocked / it:.2f}% of the median "
-                 f"iteration ({1000 * it:.1f} ms{_of(iteration_s, 'iterations')})")
+        line += (f"; of it training blocked on the copy {1000 * blocked:.2f} ms per "
+                 f"snapshot (median{_of(blocked_s, 'snapshots')})")
+    if blocked_s or hooks is not None:
+        line += (f"; slowdown against no snapshots (copies sharing cores and memory "
+                 f"bandwidth with training): not measured by the job, {BENCHMARK} "
+                 f"measures it")
     rec = c["recoveries"]
     if rec:
         line += "; recoveries: " + ", ".join(

@@ -68,3 +68,27 @@ def test_goodput_of_a_crash_a_lost_node_and_a_rollback_adds_up():
     finals = run.events.by_rank("goodput", final=True)
     assert all(f["rollbacks"] == 1 and f["seconds"]["rollback"] > 0 for f in finals.values())
     assert all(f["iterations"] == 14 for f in finals.values()), finals
+
+
+def test_goodput_carries_across_a_torchrun_restart_with_no_events_file(tmp_path):
+    """issue 57 item 4: no REFT_EVENTS_FILE; rank 1 SIGKILLed at iteration 4 of 8 under
+    torchrun --max-restarts 1: the restarted processes find their ranks' records in the
+    job's private default file, so the job's line counts 2 attempts and 1 failure and all
+    8 iterations kept; the file is gone at the normal end. The failure-free first window
+    books no straggler wait (nobody was named slow)."""
+    import glob
+    import os
+    import tempfile
+
+    run = torchrun(2, TINY + DP2 + reft("arc") + [
+        "--train-iters", "8", "--log-interval", "2", "--inject-fault", "1:4"],
+        max_restarts=1, env={"REFT_EVENTS_FILE": "", "TMPDIR": str(tmp_path)}).check()
+    assert "[FAULT] injecting SIGKILL into rank 1 (pid" in run.output
+    line = [ln for ln in run.output.splitlines() if "[REFT] goodput: " in ln]
+    assert len(line) == 1, run.output[-3000:]
+    assert "2 process attempts, 1 failure, " in line[0] and "8 iterations kept" in line[0], line
+    assert "straggler wait" not in line[0], line
+    assert "planner predicts" in line[0]
+    tempfile.tempdir = None
+    assert glob.glob(os.path.join(str(tmp_path), "reft-*", "goodput", "*.jsonl")) == []
+    assert os.path.isdir(os.path.join(str(tmp_path), f"reft-{os.geteuid()}", "goodput"))

@@ -122,3 +122,16 @@ def test_fallback_line_says_what_megatron_core_chose(monkeypatch):
                                    "norms instead of their fused ones")
     sys.modules["megatron.core.models.backends"].HAVE_APEX = True
     assert fallbacks.summary() is None
+
+
+def test_the_interval_line_gives_the_hooks_wall_time_beside_the_copy_wait(capsys):
+    """issue 57: the cost per iteration is the hooks' wall time (goodput's snapshot),
+    not the copy wait alone."""
+    log = SnapshotLog(interval=2, every=1, every_snapshot=False, rank0=True)
+    for it, hook in ((1, 0.006), (2, 0.008)):
+        log.hooks_s.append(hook)
+        log.add(it, 0.0001, 0.002, 5.0, dict(TIERS))
+    log.interval(WHAT, "has", None)
+    out = capsys.readouterr().out
+    assert "; REFT's hooks 7.0 ms per iteration (rank 0's median, what goodput books as " \
+           "snapshot), of it training blocked 0.1 ms median" in out
