@@ -83,7 +83,9 @@ class ReftSession(_Trace, SessionStartup, Session):
         # set by a trainer that opens this session after an in-process restart
         self.restarted_in_process = False
         self._hook_s = self._hook_cpu = 0.0  # this iteration's hooks: wall, CPU
-        self.hooks_total = [0.0, 0]  # this process's hooks: wall seconds, iterations
+        # this process's hooks: wall seconds, iterations, of the seconds those waiting
+        # for the slowest rank in the job-wide commit (:meth:`take_peer_wait`)
+        self.hooks_total = [0.0, 0, 0.0]
         collectives.maybe_install()  # REFT_COUNT_COLLECTIVES=1 only (issue 34's checks)
 
     def _check_shm_dir(self) -> set[str]:
@@ -178,7 +180,7 @@ class ReftSession(_Trace, SessionStartup, Session):
         self.snap.maybe_verify_aor(state.iteration)
         rolled_back = False
         if self.rollback_cfg.enabled:
-            reason = self.detector.observe(state.iteration, *self._job_wide(state.report))
+            reason = self.detector.observe(state.iteration, *self._verdict_inputs(state.report))
             if reason is not None:  # this iteration is not snapshotted: it is undone
                 self.rollback(state, reason)
                 rolled_back = True
@@ -189,6 +191,15 @@ class ReftSession(_Trace, SessionStartup, Session):
             self.heartbeat.iteration_done(state.iteration)
         self._term.stepping = False
         self._term.safe_point()  # end-of-iteration: committed above; has: in flight
+
+    def take_peer_wait(self) -> float:
+        """Seconds of the hooks since the last call spent waiting for the slowest rank in
+        the job-wide commit: the step's own all-reduce (the grad norm's, over the whole
+        job) would wait as long without REFT, so goodput books them productive (the
+        pipeline's waiting, moved), not REFT's (issue 57, docs/has.md)."""
+        w, self.snap.peer_wait_s = self.snap.peer_wait_s, 0.0
+        self.hooks_total[2] += w
+        return w
 
     def heartbeat_paused(self):
         """Checkpoint saves and validation beat nowhere and may outlast
@@ -202,6 +213,19 @@ class ReftSession(_Trace, SessionStartup, Session):
             self.heartbeat.pause()
 
     # ---- loss-spike rollback (reft_ext/load/rollback.py) ---------------------------
+    def _verdict_inputs(self, report: dict) -> tuple[float | None, float | None]:
+        """(loss, grad norm) for the verdict. ``--reft-rollback-on nan`` where the grad
+        norm is already the job's (the adapter's ``grad_norm_job_wide``: megatron-core's
+        distributed optimizer reduces it over the whole job): that alone, no collective
+        (a non-finite loss makes non-finite gradients); the rank never waits for its
+        peers here (that all-reduce was most of REFT's per-iteration hook time: issue 57,
+        docs/has.md). Otherwise both, made the same everywhere (:meth:`_job_wide`)."""
+        if self.rollback_cfg.rollback_on == "nan" and \
+                getattr(self.adapter, "grad_norm_job_wide", False):
+            gn = report.get("grad_norm")
+            return None, None if gn is None else float(gn)
+        return self._job_wide(report)
+
     def _job_wide(self, report: dict) -> tuple[float | None, float | None]:
         """(loss, grad norm) as every rank must see them: MAX, non-finite flags beside,
         over the adapter's ``verdict_groups``, the smallest groups that make the verdict
@@ -296,7 +320,8 @@ class ReftSession(_Trace, SessionStartup, Session):
         # REFT's hooks over the job (what goodput books as "snapshot"): the summary's
         hooks = torch.tensor(self.hooks_total, dtype=torch.float64)
         torch.distributed.all_reduce(hooks, group=self.adapter.control_group)
-        self._job_hooks = (hooks[0].item(), int(hooks[1].item()), self.adapter.world_size)
+        self._job_hooks = (hooks[0].item(), int(hooks[1].item()), self.adapter.world_size,
+                           hooks[2].item())
         if self.adapter.rank == 0 and self.cfg.enabled:
             reft_print(self.summary(state))
         self.close()

@@ -66,6 +66,9 @@ class Session(abc.ABC):
     @abc.abstractmethod
     def rollback(self, state, reason: str) -> None: ...
     @abc.abstractmethod
+    def take_peer_wait(self) -> float:
+        """Seconds the hooks waited for peers since the last call (goodput: productive)."""
+    @abc.abstractmethod
     def heartbeat_paused(self): ...
     @abc.abstractmethod
     def pause_heartbeat(self) -> None: ...
@@ -140,6 +143,9 @@ class DisabledSession(_Trace, Session):
 
     def rollback(self, state, reason: str) -> None:
         raise RollbackError(f"rollback ({reason}) needs --reft-snapshot-every >= 1")
+
+    def take_peer_wait(self) -> float:
+        return 0.0
 
     def heartbeat_paused(self):
         return contextlib.nullcontext()

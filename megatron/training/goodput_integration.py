@@ -60,6 +60,12 @@ class GoodputTracker:
     def switch(self, category: str) -> None:
         self.ledger.switch(category)
 
+    def rebook_wait(self, seconds: float) -> None:
+        """Seconds booked "snapshot" that REFT's hooks spent waiting for the slowest rank
+        (waiting the training's own collectives do without REFT): productive."""
+        if seconds > 0:
+            self.ledger.move("snapshot", PRODUCTIVE, seconds)
+
     def phase(self, category: str):
         return self.ledger.phase(category)
 

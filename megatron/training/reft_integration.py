@@ -137,6 +137,9 @@ class MegatronStateAdapter:
         self.dp_ranks = sorted(torch.distributed.get_process_group_ranks(self.dp_group))
         self.control_group = torch.distributed.new_group(backend="gloo")
         self.verdict_groups = verdict_groups(args, self.dp_group)
+        # megatron-core reduces the distributed optimizer's grad norm over the whole job:
+        # the NaN verdict needs no collective of its own (reft_ext/session.py)
+        self.grad_norm_job_wide = bool(args.use_distributed_optimizer)
         # what the HAS scheduler's 1F1B formula needs: (pp, vpp, micro-batches)
         self.pipeline = (args.pipeline_model_parallel_size,
                          args.virtual_pipeline_model_parallel_size or 1, args.num_microbatches)

@@ -132,6 +132,9 @@ class TrainingLoop:
         for hook in self.hooks:  # REFT: the snapshot in flight completes before the step
             hook.before_optimizer_step(s)
         self.goodput.switch("productive")
+        # waiting in REFT's job-wide commit for the slowest rank: the step's grad-norm
+        # all-reduce would wait as long without it (goodput_integration.py)
+        self.goodput.rebook_wait(self.reft.take_peer_wait())
         fault_point("step", iteration=s.iteration + 1)  # --inject-fault (reft_ext/testing)
         self.pristine = False  # from here the state is no longer the fresh start's
         if self.spikes:

@@ -77,12 +77,13 @@ BENCHMARK = "python benchmarks/bench_overhead.py"  # what measures the slowdown 
 
 def format_summary(*, extra: dict, every: int, regions: dict, blocked_s, iteration_s,
                    host_bytes_per_node: int, nodes: int, protection: str,
-                   hooks: tuple[float, int, int] | None = None) -> str:
+                   hooks: tuple | None = None) -> str:
     """One line (without the ``[REFT]`` prefix). ``regions``: name -> bytes per rank;
     ``blocked_s`` (per snapshot), ``iteration_s``: lists or :class:`Window` s;
-    ``hooks``: (seconds, iterations, ranks) of REFT's hooks summed over the ranks, the
-    wall time goodput books as "snapshot": what REFT costs the iteration on the
-    training thread, its collectives' waiting included. The copy wait is only a part
+    ``hooks``: (seconds, iterations, ranks[, waited seconds]) of REFT's hooks summed
+    over the ranks: their wall time on the training thread, less the waiting for the
+    slowest rank in the job-wide commit (which the step's own all-reduce does as long
+    without REFT), is what goodput books as "snapshot". The copy wait is only a part
     of it. What snapshots slow training by against a run without them (cores and
     memory bandwidth shared with the copies) no line of the job can measure: the line
     names the benchmark that does."""
@@ -94,13 +95,19 @@ def format_summary(*, extra: dict, every: int, regions: dict, blocked_s, iterati
             f"{_mib(total)} MiB per rank ({parts} MiB)")
     it = statistics.median(iteration_s) if iteration_s else None
     if hooks is not None and hooks[1] > 0:
-        seconds, iterations, ranks = hooks
-        per = seconds / iterations
-        line += (f"; REFT's hooks {1000 * per:.2f} ms per iteration (mean of {ranks} "
-                 f"ranks, {seconds / max(1, ranks):.2f} s per rank in all: goodput's "
-                 f"\"snapshot\" of this process)")
+        seconds, iterations, ranks = hooks[:3]
+        waited = hooks[3] if len(hooks) > 3 else 0.0
+        own = (seconds - waited) / iterations  # what goodput books as "snapshot"
+        line += f"; REFT's hooks {1000 * seconds / iterations:.2f} ms per iteration (mean " \
+                f"of {ranks} ranks)"
+        if waited > 0:
+            line += (f", of it {1000 * waited / iterations:.2f} ms waiting for the slowest "
+                     f"rank in the job-wide commit (the step's own all-reduce waits as long "
+                     f"without REFT: goodput books it productive) and")
+        line += (f" {1000 * own:.2f} ms REFT's work (goodput's \"snapshot\": "
+                 f"{(seconds - waited) / max(1, ranks):.2f} s per rank in this process)")
         if it:
-            line += (f", {100 * per / it:.2f}% of the median iteration ({1000 * it:.1f} ms"
+            line += (f", {100 * own / it:.2f}% of the median iteration ({1000 * it:.1f} ms"
                      f"{_of(iteration_s, 'iterations')})")
     if blocked_s:
         blocked = statistics.median(blocked_s)

@@ -143,9 +143,11 @@ class HasWorker:
         self._bubble = False  # read by the thread between chunks; no need to wake it
 
     # ---- the thread ----------------------------------------------------------------------
-    # most units one call takes: a bubble's are few (its end is heard between calls);
-    # beside compute 256 MiB (the copy engine idles only between calls); a drain's, all
-    GROUP = {"bubble": 4, "compute": 64}
+    # most units one call takes: a bubble's one (4 MiB, ~1-2 ms: its end is heard between
+    # calls, so a copy overruns the wait by at most one chunk and the rank's compute is
+    # not delayed by a long call; issue 57); beside compute 256 MiB (the copy engine idles
+    # only between calls); a drain's, all
+    GROUP = {"bubble": 1, "compute": 64}
 
     def _pick(self) -> tuple[list[Unit], str]:
         b = self._batch

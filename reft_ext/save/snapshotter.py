@@ -139,6 +139,10 @@ class ReftSnapshotter:
         self.events = events or PipelineEvents(adapter.rank)
         self.pipeline = getattr(adapter, "pipeline", (1, 1, 1))  # (pp, vpp, micro-batches)
         self.pending: Batch | None = None
+        # seconds the training thread waited in the job-wide commit's all-reduce for the
+        # slowest rank since the session last took them: waiting the step's own
+        # all-reduce (the grad norm's, over the job) does as long without REFT
+        self.peer_wait_s = 0.0
         self.last: dict = {}
         # slowest rank's blocking s, per snapshot (the summary's median): the last WINDOW
         self.blocked_history = Window()
@@ -344,7 +348,10 @@ class ReftSnapshotter:
         self.bandwidth.record(self.nbytes, batch.busy_s)  # bytes/s of the copy + hash
         blocked = batch.busy_s if wait_s is None else wait_s
         with self.events.span("snapshot-commit", "snapshot", iteration=batch.iteration):
+            t0 = time.perf_counter()
             self.committer.commit(batch.slot, batch.iteration)
+            if not self.committer.local:
+                self.peer_wait_s += time.perf_counter() - t0
         self.signals.set(node_status.COMPLETED, batch.iteration)
         self.last = {"iteration": batch.iteration, "blocked_s": blocked, **batch.by_how,
                      "sums": sums}
