@@ -100,7 +100,10 @@ def test_bad_batches_are_skipped_not_trained_on_again(reference_runs):
                    ["--poison-train-samples", "75-75,108-108"]).check()
     assert "[FAULT]" not in run.output
     first, second = run.events_of("rollback")  # each bad batch met once
-    assert first["reason"] == second["reason"] == "non-finite loss (nan)", (first, second)
+    # --reft-rollback-on nan with ZeRO-1 judges the job-wide grad norm alone (no
+    # collective of its own, issue 57): the NaN loss made the gradients NaN
+    assert first["reason"] == second["reason"] == "non-finite grad norm (nan)", \
+        (first, second)
     assert _rollback(first)[:5] == (10, 8, 2, [64, 79], 1), first
     assert _rollback(second)[:5] == (12, 10, 2, [96, 111], 2), second
     assert (first["iterations"], second["iterations"]) == ([9, 10], [11, 12])
