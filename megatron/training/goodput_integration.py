@@ -215,7 +215,7 @@ class GoodputTracker:
                                  pid=os.getpid(), snapshot_every=self.every, **extra)
         path = self.records_path()
         if path:
-            events.record(goodput.EVENT, path=path, **rec)
+            events.record(goodput.EVENT, into=path, **rec)
         return rec
 
     # ---- the end ----------------------------------------------------------------

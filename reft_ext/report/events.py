@@ -90,11 +90,12 @@ def refuse_once(path: str, exc: BaseException, what: str = "events") -> None:
     sys.stdout.flush()
 
 
-def record(event: str, *, path: str | None = None, **fields) -> dict | None:
-    """Append one event to ``$REFT_EVENTS_FILE`` (``path``: to that file instead; nothing
-    when neither names one); returns the object written. A failed write never stops
-    training: the event is lost, not the job."""
-    path = path or os.environ.get(ENV)
+def record(event: str, *, into: str | None = None, **fields) -> dict | None:
+    """Append one event to ``$REFT_EVENTS_FILE`` (``into``: to that file instead; nothing
+    when neither names one; ``into``, not ``path``: events have a field of that name);
+    returns the object written. A failed write never stops training: the event is lost,
+    not the job."""
+    path = into or os.environ.get(ENV)
     if not path:
         return None
     obj = {"event": event, "rank": _rank(), "time": time.time(), **_plain(fields)}

@@ -34,14 +34,18 @@ def test_line_and_event(tmp_path, monkeypatch, capsys):
     reft_print("snapshot iteration 1: 64 bytes", event="snapshot", iteration=1,
                per_rank={"own": 32}, source=Source.REPLICA, group=(2, 3), tiers=None)
     reft_print("a line no program reads")  # no event: the line alone
+    # a field named path goes into the event, not to another file
+    events.record("trace", path=str(tmp_path / "trace.json"))
     events.emit("health", None, ok=True)   # no text: the event alone
     assert capsys.readouterr().out == ("[REFT] snapshot iteration 1: 64 bytes\n"
                                        "[REFT] a line no program reads\n")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    first, second = load(str(path))
+    first, trace, second = load(str(path))
     assert first.pop("time") > 0 and second.pop("time") > 0
     assert first == {"event": "snapshot", "rank": 3, "iteration": 1, "per_rank": {"own": 32},
                      "source": "replica", "group": [2, 3], "tiers": None}
+    assert trace["path"] == str(tmp_path / "trace.json")
+    assert not (tmp_path / "trace.json").exists()
     assert second == {"event": "health", "rank": 3, "ok": True}
 
 

@@ -244,7 +244,7 @@ def test_the_default_records_file_is_private_and_per_job(tmp_path, monkeypatch):
     for d in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     from reft_ext.report import events
-    events.record(goodput.EVENT, path=path, run="r", seconds={"productive": 1.0})
+    events.record(goodput.EVENT, into=path, run="r", seconds={"productive": 1.0})
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     os.symlink(path, str(tmp_path / "link.jsonl"))
     assert goodput.previous(str(tmp_path / "link.jsonl"), "r", None, pid=0) is None
