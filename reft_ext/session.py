@@ -86,6 +86,7 @@ class ReftSession(_Trace, SessionStartup, Session):
         # this process's hooks: wall seconds, iterations, of the seconds those waiting
         # for the slowest rank in the job-wide commit (:meth:`take_peer_wait`)
         self.hooks_total = [0.0, 0, 0.0]
+        self._waited = 0.0  # this iteration's share of the third
         collectives.maybe_install()  # REFT_COUNT_COLLECTIVES=1 only (issue 34's checks)
 
     def _check_shm_dir(self) -> set[str]:
@@ -167,8 +168,9 @@ class ReftSession(_Trace, SessionStartup, Session):
                                   self._hook_cpu + time.thread_time() - c0)
         self.hooks_total[0] += wall
         self.hooks_total[1] += 1
-        self.snap.log.hooks_s.append(wall)  # the [REFT] snapshots line's figure
-        self._hook_s = self._hook_cpu = 0.0
+        # the [REFT] snapshots line's figure: what goodput books (the wait left out)
+        self.snap.log.hooks_s.append(max(0.0, wall - self._waited))
+        self._hook_s = self._hook_cpu = self._waited = 0.0
 
     def _after_step(self, state) -> None:
         # the iteration is complete: a SIGTERM from here waits for its snapshot's commit
@@ -199,6 +201,7 @@ class ReftSession(_Trace, SessionStartup, Session):
         pipeline's waiting, moved), not REFT's (issue 57, docs/has.md)."""
         w, self.snap.peer_wait_s = self.snap.peer_wait_s, 0.0
         self.hooks_total[2] += w
+        self._waited += w
         return w
 
     def heartbeat_paused(self):

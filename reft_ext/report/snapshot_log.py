@@ -40,8 +40,9 @@ class SnapshotLog:
         self.blocked_s, self.copy_s, self.committed_ms = Window(), Window(), Window()
         self.tiers: dict | None = None  # schedule tier -> bytes summed (rank 0's)
         self.max_blocked_s = self.max_copy_s = 0.0
-        # rank 0's REFT hooks per iteration (wall: its collectives' waits included; fed
-        # by the session after each iteration, so the window's last one counts in the next)
+        # rank 0's REFT work per iteration: its hooks' wall time less their wait for the
+        # slowest rank in the job-wide commit, what goodput books as snapshot (fed by the
+        # session after each iteration, so the window's last one counts in the next)
         self.hooks_s = Window()
 
     def window(self, iteration: int) -> int:
@@ -98,8 +99,9 @@ class SnapshotLog:
             copies = f", rank 0's {n} copies" if n > 1 else ", rank 0's copy"
             hooks = statistics.median(self.hooks_s) if len(self.hooks_s) else None
             said = "" if hooks is None else (
-                f"REFT's hooks {_ms(hooks)} per iteration (rank 0's median, what goodput "
-                f"books as snapshot), of it ")
+                f"REFT's work {_ms(hooks)} per iteration (rank 0's median: its hooks less "
+                f"their wait for the slowest rank in the commit, what goodput books as "
+                f"snapshot), of it ")
             emit("snapshot_interval",
                  f"snapshots of {its}: {n} x {_what(what)}"
                  f"{_tiers(schedule, self.tiers, copies)}; {said}training blocked "

@@ -133,5 +133,6 @@ def test_the_interval_line_gives_the_hooks_wall_time_beside_the_copy_wait(capsys
         log.add(it, 0.0001, 0.002, 5.0, dict(TIERS))
     log.interval(WHAT, "has", None)
     out = capsys.readouterr().out
-    assert "; REFT's hooks 7.0 ms per iteration (rank 0's median, what goodput books as " \
-           "snapshot), of it training blocked 0.1 ms median" in out
+    assert "; REFT's work 7.0 ms per iteration (rank 0's median: its hooks less their " \
+           "wait for the slowest rank in the commit, what goodput books as snapshot), of " \
+           "it training blocked 0.1 ms median" in out
