@@ -166,10 +166,19 @@ class ReftConfig(ReftFlags):
     trace_file: str = field(default="", metadata=dict(
         help="write a Chrome trace (JSON; opens in Perfetto) of every rank's schedule, "
              "bubbles and snapshot chunks to this path"))
+    calibrate_iters: int = field(default=0, metadata=dict(
+        help="measure what snapshots slow training by, in the job: for N iterations "
+             "(from the 5th this process trains) skip snapshots in every other block of "
+             "4 and compare the median iteration times; the summary gives the figure. A "
+             "failure meanwhile loses up to 4 iterations more (0 = off; "
+             "benchmarks/bench_overhead.py measures it outside the job)"))
 
     def __post_init__(self):
         if self.aor_verify_every < 0:
             raise ReftConfigError("--reft-aor-verify-every: must be >= 0")
+        if self.calibrate_iters < 0:
+            raise ReftConfigError(f"--reft-calibrate-iters: must be >= 0 (0 = off), got "
+                                  f"{self.calibrate_iters}")
         if self.device_readahead < 0:
             raise ReftConfigError(f"--reft-device-readahead: must be >= 0, got "
                                   f"{self.device_readahead}")

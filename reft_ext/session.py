@@ -87,6 +87,7 @@ class ReftSession(_Trace, SessionStartup, Session):
         # for the slowest rank in the job-wide commit (:meth:`take_peer_wait`)
         self.hooks_total = [0.0, 0, 0.0]
         self._waited = 0.0  # this iteration's share of the third
+        self.calibration = None  # --reft-calibrate-iters (made at the first iteration)
         collectives.maybe_install()  # REFT_COUNT_COLLECTIVES=1 only (issue 34's checks)
 
     def _check_shm_dir(self) -> set[str]:
@@ -173,11 +174,17 @@ class ReftSession(_Trace, SessionStartup, Session):
         self._hook_s = self._hook_cpu = self._waited = 0.0
 
     def _after_step(self, state) -> None:
+        cal = self._calibrate(state.iteration)
+        due = state.iteration % self.cfg.snapshot_every == 0 and \
+            (cal is None or cal.snapshot_due(state.iteration))
         # the iteration is complete: a SIGTERM from here waits for its snapshot's commit
-        self._term.stepping = state.iteration % self.cfg.snapshot_every == 0
+        self._term.stepping = due
         now = time.perf_counter()
         if self._t_step is not None:
             self.iteration_s.append(now - self._t_step)
+            if cal is not None and cal.observe(state.iteration, now - self._t_step) and \
+                    self.adapter.rank == 0 and cal.text():
+                reft_print(cal.text(), event="calibration", **cal.result())
         self._t_step = now
         self.snap.maybe_verify_aor(state.iteration)
         rolled_back = False
@@ -186,13 +193,22 @@ class ReftSession(_Trace, SessionStartup, Session):
             if reason is not None:  # this iteration is not snapshotted: it is undone
                 self.rollback(state, reason)
                 rolled_back = True
-        if not rolled_back and state.iteration % self.cfg.snapshot_every == 0:
+        if not rolled_back and due:
             summary.count_snapshot(state.extra)  # before the capture: it is in the snapshot
             self.snap.maybe_snapshot(state.iteration)
         if self.heartbeat is not None:
             self.heartbeat.iteration_done(state.iteration)
         self._term.stepping = False
         self._term.safe_point()  # end-of-iteration: committed above; has: in flight
+
+    def _calibrate(self, iteration: int):
+        """The --reft-calibrate-iters A/B (reft_ext/report/calibration.py), made at the
+        first iteration this process completes (every rank the same)."""
+        if self.calibration is None and self.cfg.calibrate_iters > 0:
+            from reft_ext.report.calibration import Calibration
+
+            self.calibration = Calibration(self.cfg.calibrate_iters, iteration)
+        return self.calibration
 
     def take_peer_wait(self) -> float:
         """Seconds of the hooks since the last call spent waiting for the slowest rank in
@@ -371,4 +387,5 @@ class ReftSession(_Trace, SessionStartup, Session):
             blocked_s=snap.blocked_history, iteration_s=self.iteration_s,
             host_bytes_per_node=snap.host_bytes_per_node(),
             nodes=self.adapter.world_size // self.cfg.ranks_per_node,
-            protection=self.cfg.protect, hooks=getattr(self, "_job_hooks", None))
+            protection=self.cfg.protect, hooks=getattr(self, "_job_hooks", None),
+            calibration=None if self.calibration is None else self.calibration.result())

@@ -77,7 +77,7 @@ BENCHMARK = "python benchmarks/bench_overhead.py"  # what measures the slowdown 
 
 def format_summary(*, extra: dict, every: int, regions: dict, blocked_s, iteration_s,
                    host_bytes_per_node: int, nodes: int, protection: str,
-                   hooks: tuple | None = None) -> str:
+                   hooks: tuple | None = None, calibration: dict | None = None) -> str:
     """One line (without the ``[REFT]`` prefix). ``regions``: name -> bytes per rank;
     ``blocked_s`` (per snapshot), ``iteration_s``: lists or :class:`Window` s;
     ``hooks``: (seconds, iterations, ranks[, waited seconds]) of REFT's hooks summed
@@ -113,10 +113,16 @@ def format_summary(*, extra: dict, every: int, regions: dict, blocked_s, iterati
         blocked = statistics.median(blocked_s)
         line += (f"; of it training blocked on the copy {1000 * blocked:.2f} ms per "
                  f"snapshot (median{_of(blocked_s, 'snapshots')})")
-    if blocked_s or hooks is not None:
+    if calibration is not None:  # --reft-calibrate-iters (report/calibration.py)
+        line += (f"; slowdown against no snapshots: {100 * (calibration['ratio'] - 1):+.1f}% "
+                 f"(--reft-calibrate-iters, iterations {calibration['first']}-"
+                 f"{calibration['last']}: {calibration['with_ms']:.1f} vs "
+                 f"{calibration['without_ms']:.1f} ms median; as noisy as the host, "
+                 f"{BENCHMARK} settles it with rounds)")
+    elif blocked_s or hooks is not None:
         line += (f"; slowdown against no snapshots (copies sharing cores and memory "
-                 f"bandwidth with training): not measured by the job, {BENCHMARK} "
-                 f"measures it")
+                 f"bandwidth with training): not measured by the job (--reft-calibrate-"
+                 f"iters N measures it), {BENCHMARK} measures it")
     rec = c["recoveries"]
     if rec:
         line += "; recoveries: " + ", ".join(

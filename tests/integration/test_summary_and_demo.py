@@ -31,7 +31,16 @@ def test_counters_survive_in_the_state_and_the_summary_names_them():
     assert "and 6.00 ms REFT's work (goodput's \"snapshot\": 0.09 s per rank in this " \
            "process), 3.00% of the median iteration (200.0 ms)" in line
     assert "of it training blocked on the copy 2.00 ms per snapshot (median)" in line
-    assert "not measured by the job, python benchmarks/bench_overhead.py measures it" in line
+    assert "not measured by the job (--reft-calibrate-iters N measures it), python " \
+           "benchmarks/bench_overhead.py measures it" in line
+    cal = {"first": 6, "last": 13, "with_ms": 110.0, "without_ms": 100.0, "ratio": 1.1,
+           "counted": 6}
+    measured = summary.format_summary(
+        extra=extra, every=1, regions={"own": 2**20}, blocked_s=[0.001], iteration_s=[0.1],
+        protection="arc", host_bytes_per_node=2**20, nodes=1, hooks=(0.1, 10, 1),
+        calibration=cal)
+    assert "slowdown against no snapshots: +10.0% (--reft-calibrate-iters, iterations " \
+           "6-13: 110.0 vs 100.0 ms median;" in measured and "not measured" not in measured
     assert "recoveries: 2 from own memory, 1 from ARC replica + AOR replica" in line
     assert line.endswith("host memory 3.00 MiB per node (4 nodes)")
     assert "recoveries: none" in summary.format_summary(
