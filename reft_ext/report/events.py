@@ -117,8 +117,9 @@ def record(event: str, *, into: str | None = None, **fields) -> dict | None:
 
 
 def emit(event: str | None, text: str | None, *, prefix: str = "[REFT]", **fields) -> None:
-    """The ``[REFT] <text>`` line (``prefix`` names another source, e.g. ``[AOR]``) (one write: ranks share a pipe, and print() writes the
-    text and the newline separately, so two ranks' lines could run together), then the
+    """The ``[REFT] <text>`` line (``prefix`` names another source, e.g. ``[AOR]``) (one
+    write: ranks share a pipe, and print() writes the text and the newline separately,
+    so two ranks' lines could run together), then the
     event. ``event`` None: the line alone; ``text`` None: the event alone (a fact a
     rank records that only rank 0 says in words)."""
     if text is not None:
