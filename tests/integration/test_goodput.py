@@ -78,7 +78,6 @@ def test_goodput_carries_across_a_torchrun_restart_with_no_events_file(tmp_path)
     books no straggler wait (nobody was named slow)."""
     import glob
     import os
-    import tempfile
 
     run = torchrun(2, TINY + DP2 + reft("arc") + [
         "--train-iters", "8", "--log-interval", "2", "--inject-fault", "1:4"],
@@ -89,6 +88,5 @@ def test_goodput_carries_across_a_torchrun_restart_with_no_events_file(tmp_path)
     assert "2 process attempts, 1 failure, " in line[0] and "8 iterations kept" in line[0], line
     assert "straggler wait" not in line[0], line
     assert "planner predicts" in line[0]
-    tempfile.tempdir = None
     assert glob.glob(os.path.join(str(tmp_path), "reft-*", "goodput", "*.jsonl")) == []
     assert os.path.isdir(os.path.join(str(tmp_path), f"reft-{os.geteuid()}", "goodput"))
