@@ -74,13 +74,15 @@ def test_goodput_carries_across_a_torchrun_restart_with_no_events_file(tmp_path)
     """issue 57 item 4: no REFT_EVENTS_FILE; rank 1 SIGKILLed at iteration 4 of 8 under
     torchrun --max-restarts 1: the restarted processes find their ranks' records in the
     job's private default file, so the job's line counts 2 attempts and 1 failure and all
-    8 iterations kept; the file is gone at the normal end. The failure-free first window
-    books no straggler wait (nobody was named slow)."""
+    8 iterations kept; the file is gone at the normal end. The ranks exchange their phase
+    times every iteration and wait in the gradient sync for each other, but nobody is
+    named slow: no straggler wait is booked."""
     import glob
     import os
 
     run = torchrun(2, TINY + DP2 + reft("arc") + [
-        "--train-iters", "8", "--log-interval", "2", "--inject-fault", "1:4"],
+        "--train-iters", "8", "--log-interval", "2", "--inject-fault", "1:4",
+        "--reft-straggler-interval", "1"],  # an exchange every iteration, no one slow
         max_restarts=1, env={"REFT_EVENTS_FILE": "", "TMPDIR": str(tmp_path)}).check()
     assert "[FAULT] injecting SIGKILL into rank 1 (pid" in run.output
     line = [ln for ln in run.output.splitlines() if "[REFT] goodput: " in ln]
