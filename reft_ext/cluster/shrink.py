@@ -83,6 +83,7 @@ def take_handover(shm_dir: str, job: str) -> dict | None:
             pass
         try:
             os.rmdir(d)  # the side directory, once empty (no status left in it)
+            paths.remove_parent(shm_dir, job)
         except OSError:
             pass
     return found
