@@ -40,6 +40,9 @@ def _parse(argv):
 
 
 def main(argv=None):
+    from megatron.training.children import die_with_launcher
+
+    die_with_launcher()  # no orphan training beside a re-run after the launcher's SIGKILL
     try:
         args = _parse(argv)
     except ArgumentError as exc:

@@ -67,7 +67,7 @@ class Job:
 
 def lose_node(job_id: str, node: str, slot: int) -> list[int]:
     """Node ``node`` is gone, with the shared memory of the slot it held."""
-    return local_slurm.lose_node(job_id, node, [f"/dev/shm/reft-{job_id}-node{slot}"])
+    return local_slurm.lose_node(job_id, node, [f"/dev/shm/reft-{job_id}-*/node{slot}"])
 
 
 def sbatch(slurm, tmp_path, *options, faults=(), timeout=300, shm_left=False, **env) -> Job:
