@@ -86,8 +86,8 @@ def main(argv=None) -> int:
 
 
 def _shm(a) -> int:
-    """--list-shm, --clean (reft_ext/store/leftovers.py)."""
-    from reft_ext.store import leftovers
+    """--list-shm, --clean (reft_ext/cluster/leftovers.py)."""
+    from reft_ext.cluster import leftovers
 
     found = [j for j in leftovers.jobs(a.shm_dir) if not a.job or j["job"] == a.job]
     if a.clean:

@@ -66,13 +66,19 @@ def tee(fd: int, src=None, out=None) -> None:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] == "--mkdir":
-        open_run_dir(argv[1]).close()
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                usage="%(prog)s --mkdir DIR | %(prog)s LOGFILE (stdin to both)")
+    p.add_argument("--mkdir", metavar="DIR", help="make DIR (0700) or refuse it, and exit")
+    p.add_argument("log", nargs="?", help="the log file, in a directory of this user's")
+    a = p.parse_args(argv)
+    if a.mkdir:
+        open_run_dir(a.mkdir).close()
         return 0
-    if len(argv) != 1:
-        raise SystemExit("usage: run_log.py --mkdir DIR | run_log.py LOGFILE  (stdin to both)")
-    fd = open_log(argv[0])
+    if not a.log:
+        p.error("give --mkdir DIR or the log file")
+    fd = open_log(a.log)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the job's last lines come after Ctrl-C
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:

@@ -39,7 +39,7 @@ from reft_ext import safe_dir
 
 PREFIX = "reft-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-SIDE = ".meta"  # <shm>/reft-<job>-node<n>.meta: the node's private side directory
+SIDE = ".meta"  # <shm>/reft-<job>/node<n>.meta: the node's private side directory
 
 
 def default_base_dir() -> str:

@@ -112,7 +112,7 @@ def test_rerun_after_sigkill_of_the_launcher_finds_its_host_memory(tmp_path):
     job = _job_of(save)
     parent = paths.job_parent("/dev/shm", job)
     deadline = time.time() + 60
-    from reft_ext.store import leftovers
+    from reft_ext.cluster import leftovers
     while leftovers.users(parent):  # the ranks die with their agent (PDEATHSIG)
         assert time.time() < deadline, f"ranks outlived their launcher: {leftovers.users(parent)}"
         time.sleep(0.2)

@@ -17,7 +17,8 @@ import uuid
 import pytest
 
 from reft_ext.cluster import run_id
-from reft_ext.store import leftovers, paths
+from reft_ext.cluster import leftovers
+from reft_ext.store import paths
 from reft_ext.store.shm import ShmSegment
 from tests.harness.run import ENV_PATH, REPO
 from tests.unit.test_safe_paths import NOBODY, PY, SETPRIV, needs_setpriv
