@@ -93,3 +93,39 @@ def explain(args, iteration: int, path: str, last_complete: int | None) -> str:
             f"(about {_mib(need)} needed, {_mib(free)} free on its filesystem; the "
             f"incomplete {os.path.basename(path)} was removed, the last complete "
             f"checkpoint: {last}); {kept}")
+
+
+def checkpoint_bytes(args) -> int | None:
+    """About what one checkpoint of this model takes: every parameter once with Adam's
+    two fp32 moments (and an fp32 master copy of 16-bit parameters); None when the
+    shape cannot be read (the check is then skipped, not guessed)."""
+    from reft_ext.plan.model import ModelConfig
+
+    try:
+        model = ModelConfig(**{k: getattr(args, k) for k in (
+            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+            "ffn_hidden_size", "seq_length", "make_vocab_size_divisible_by")},
+            vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
+            precision="bf16" if getattr(args, "bf16", False) else "fp32")
+        extra = 8 if getattr(args, "optimizer", "adam") == "adam" else 4
+        return model.num_parameters() * (model.param_bytes + extra +
+                                         (4 if model.param_bytes == 2 else 0))
+    except Exception:  # noqa: BLE001 (a shape the planner does not model)
+        return None
+
+
+def start_error(args) -> str | None:
+    """Why --save's filesystem cannot hold even one checkpoint of this model, or None."""
+    base = os.path.abspath(args.save)
+    while not os.path.exists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    need = checkpoint_bytes(args)
+    try:
+        free = shutil.disk_usage(base).free
+    except OSError:
+        return None
+    if need is None or free >= need:
+        return None
+    return (f"{args.save} has {_mib(free)} free on its filesystem, and one checkpoint of "
+            f"this model takes about {_mib(need)}: free space there or point --save at a "
+            f"larger filesystem (the first save would fail after training to it)")

@@ -48,18 +48,42 @@ def test_bad_flag_under_the_reft_launcher_is_said_once_and_not_retried():
     assert "Traceback" not in out.output
 
 
-@pytest.fixture
-def small_disk():
-    """An 8 MiB tmpfs: three checkpoints of the tiny model fit, the fourth does not."""
+def _tmpfs(size: str):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     d = tempfile.mkdtemp(prefix="reft-full-", dir="/tmp")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", d]).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                       d]).returncode:
         os.rmdir(d)
         pytest.skip("cannot mount a tmpfs here")
-    yield d
+    return d
+
+
+def _unmount(d: str) -> None:
     subprocess.run(["umount", "-l", d])
     os.rmdir(d)
+
+
+@pytest.fixture
+def small_disk():
+    """An 8 MiB tmpfs: three checkpoints of the tiny model fit, the fourth does not."""
+    d = _tmpfs("8m")
+    yield d
+    _unmount(d)
+
+
+def test_save_without_space_for_one_checkpoint_is_refused_at_start():
+    d = _tmpfs("1m")
+    try:
+        out = torchrun(2, TINY + REFT + ["--train-iters", "3", "--save",
+                                         os.path.join(d, "ckpt")], max_restarts=3)
+    finally:
+        _unmount(d)
+    assert out.returncode == 2
+    errors = [ln for ln in out.output.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "one checkpoint of this model takes about" in errors[0], \
+        out.output[-3000:]
+    assert "iteration        1/" not in out.output and "Traceback" not in out.output
 
 
 @pytest.mark.slow  # two runs of ~15 s each
