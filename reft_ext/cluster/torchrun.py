@@ -24,6 +24,7 @@ import os
 import sys
 
 from reft_ext.cluster import job_stop, rendezvous, run_id
+from reft_ext.config import _job_id_of
 from reft_ext.store import paths
 
 
@@ -99,16 +100,17 @@ def main(argv=None) -> None:
     _no_retry_of_repeating_failures()
     script_args = list(args.training_script_args)
     shm_dir = run_id.script_flag(script_args, "--reft-shm-dir")
-    job = run_id.script_flag(script_args, "--reft-job-id") or args.rdzv_id
+    given = run_id.script_flag(script_args, "--reft-job-id")
+    job = _job_id_of(given) if given else args.rdzv_id  # as the trainer names its memory
     code = 0
     try:
         try:
-            torchrun.run(args)
+            record(torchrun.run)(args)
         except ChildFailedError as exc:
             code = job_stop.will_repeat(f.exitcode for f in exc.failures.values())
-            if code is None:  # torch's report of the failure, as torchrun's
+            if code is None:  # torch's report of the failure (its table), as torchrun's
                 code = 1
-                record(lambda: (_ for _ in ()).throw(exc))()
+                raise
     except RendezvousError as exc:  # a refused state: one line, not torch's traceback
         raise SystemExit(f"[REFT] python -m reft_ext.cluster.torchrun: {exc}") from None
     except BaseException:
