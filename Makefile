@@ -39,12 +39,16 @@ JOB_ARGS = --model-size tiny --pipeline-model-parallel-size 2 --use-distributed-
 	--reft-snapshot-every 1 --reft-protect arc,aor --reft-ranks-per-node 1 \
 	--log-params-hash
 
+# RUN_DIR made private (or refused when another user's) and the log written through it,
+# never through a link; Ctrl-C leaves the log writer running until the job's last line
+# (tools/run_log.py). A re-run with the same RUN_DIR resumes from the host memory an
+# interrupted run left (its job id is kept in RUN_DIR/checkpoints/reft-job-id).
 run: install
-	mkdir -p $(RUN_DIR)
+	$(PY) tools/run_log.py --mkdir $(RUN_DIR)
 	$(PY) -m reft_ext.cluster.torchrun --standalone --nproc-per-node $(NPROC) --max-restarts 3 \
 	    pretrain_llama.py $(JOB_ARGS) \
 	    --save $(RUN_DIR)/checkpoints --load $(RUN_DIR)/checkpoints \
-	    --tensorboard-dir $(RUN_DIR)/tensorboard $(ARGS) 2>&1 | tee $(RUN_DIR)/train.log
+	    --tensorboard-dir $(RUN_DIR)/tensorboard $(ARGS) 2>&1 | $(PY) tools/run_log.py $(RUN_DIR)/train.log
 
 # The same job under the in-process supervisor: a failed rank is replaced by a warm spare
 # and the others restart inside their own processes (docs/nodes.md); every rank's log lines

@@ -16,21 +16,38 @@ import sys
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from megatron.training.arguments import ArgumentError, parse_args
+from reft_ext.cluster.job_stop import (EXIT_CHECKPOINT, EXIT_WILL_REPEAT, say_once,
+                                       stopped_by_peer)
 
 
-def _error(msg: str) -> None:
-    """One line on stderr in one write: the ranks of a node share it, and print's
-    separate write of the newline let two ranks' lines run into one."""
-    sys.stderr.write(f"error: {msg}\n")
-    sys.stderr.flush()
+def _parse(argv):
+    """The flags; a usage error (argparse's) is one line, not its usage block: the
+    caller says it once for the job."""
+    import contextlib
+    import io
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return parse_args(argv)
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
+        why = lines[-1].split(" error: ", 1)[-1] if lines else f"exit {exc.code}"
+        raise ArgumentError(f"{why} (python pretrain_llama.py --help lists the flags)") \
+            from None
 
 
 def main(argv=None):
+    from megatron.training.children import die_with_launcher
+
+    die_with_launcher()  # no orphan training beside a re-run after the launcher's SIGKILL
     try:
-        args = parse_args(argv)
+        args = _parse(argv)
     except ArgumentError as exc:
-        _error(str(exc))
-        return 2
+        say_once(str(exc))
+        return EXIT_WILL_REPEAT
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.training import pretrain
     from reft_ext.config import ReftConfigError
@@ -40,11 +57,15 @@ def main(argv=None):
     try:
         pretrain(args)
     except (ReftConfigError, ShmSpaceError, ShmDirError, RollbackError) as exc:
-        _error(str(exc))
-        return 2
+        say_once(str(exc))  # the same at every restart: said once, not retried
+        return EXIT_WILL_REPEAT
     except CheckpointError as exc:
-        _error(str(exc))
-        return 3
+        say_once(str(exc))
+        return EXIT_CHECKPOINT
+    except Exception:
+        if stopped_by_peer():  # a peer said why the job stops; this is its echo
+            return EXIT_WILL_REPEAT
+        raise
     return 0
 
 

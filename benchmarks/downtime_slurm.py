@@ -65,7 +65,7 @@ class Cluster:
                     f.write(json.dumps({"event": "fault", "time": time.time(),
                                         "rank": 1}) + "\n")
                 local_slurm.lose_node(job_id, local_slurm.node_name(2),
-                                      [f"/dev/shm/reft-{job_id}-node1"])
+                                      [f"/dev/shm/reft-{job_id}-*/node1"])
             faults, nodes, env["SPARE_NODES"] = [(r"iteration +4/ +10 \|", lose)], 3, "1"
         script = os.path.join(REPO, "examples", "slurm", "tiny_cpu.sbatch")
         job_id, _, out = local_slurm.submit(env, script, submit, [f"--nodes={nodes}"],

@@ -105,8 +105,11 @@ class ReftConfig(ReftFlags):
         help="how many consecutive ranks form one failure domain (default: "
              "LOCAL_WORLD_SIZE, i.e. one node)"))
     job_id: str = field(default="", metadata=dict(
-        help="names the job's shared memory (default: TORCHELASTIC_RUN_ID, i.e. torchrun's "
-             "--rdzv-id, or SLURM_JOB_ID; else one of this launch's own: plain torchrun's "
+        help="names the job's shared memory, <--reft-shm-dir>/reft-<id> (default: "
+             "TORCHELASTIC_RUN_ID, i.e. torchrun's --rdzv-id: under python -m "
+             "reft_ext.cluster.torchrun --standalone the run's own, kept in "
+             "<--save>/reft-job-id so a re-run finds its host memory; or SLURM_JOB_ID; "
+             "else one of this launch's own: plain torchrun's "
              "agent, or this process); an id with other characters than [A-Za-z0-9._-] "
              "keeps a hash of itself"))
     keep: int = field(default=0, metadata=dict(

@@ -137,6 +137,7 @@ class ReftSession(_Trace, SessionStartup, Session):
                     os.unlink(os.path.join(self._node_dir, name))
         with contextlib.suppress(OSError):  # the node's other ranks may still hold files
             os.rmdir(self._node_dir)
+            os.rmdir(os.path.dirname(self._node_dir))  # the job's parent, once empty
 
     # ---- start-up: recover, count_recovery, recovered_from_checkpoint, on_start ------
     # (SessionStartup, reft_ext/session_startup.py)

@@ -340,7 +340,7 @@ def _kill_all(proc, workers: Workers, job: str) -> list[dict]:
 
 
 def cleanup_shm(job: str) -> None:
-    for p in glob.glob(f"/dev/shm/reft-{glob.escape(job)}-*"):
+    for p in glob.glob(f"/dev/shm/reft-{glob.escape(job)}"):  # the job's parent
         if os.path.isdir(p):
             shutil.rmtree(p, ignore_errors=True)
         else:

@@ -121,6 +121,7 @@ class JobOutput:
     def cleanup_shm(self) -> None:
         for d in glob.glob(paths.node_glob(self.cfg.shm_dir, self.cfg.job_id)):
             shutil.rmtree(d, ignore_errors=True) if os.path.isdir(d) else os.unlink(d)
+        paths.remove_parent(self.cfg.shm_dir, self.cfg.job_id)
 
     def __enter__(self):
         return self

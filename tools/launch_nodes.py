@@ -11,7 +11,7 @@ and the rendezvous id is TORCHELASTIC_RUN_ID, REFT's job id, on every agent.
 Slot i keeps group rank i in every rendezvous round: torch assigns ranks in the sorted
 order of (address, pid), so each agent gets its own loopback address ``127.0.1.(10+i)``
 (``--local-addr``); a replacement agent (new pid) thus takes over its slot's ranks and its
-slot's shared-memory directory ``<shm>/reft-<job>-node<i>``.
+slot's shared-memory directory ``<shm>/reft-<job>/node<i>``.
 
     python tools/launch_nodes.py --nnodes 2 --nproc-per-node 2 --job-id demo -- \\
         pretrain_llama.py --reft-snapshot-every 1 --reft-protect arc ...
@@ -160,6 +160,9 @@ class NodeLauncher(JobOutput):
         self.cfg, self.script_args, self.script = cfg, list(script_args), script
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
         self.env.pop("TORCHELASTIC_RESTART_COUNT", None)
+        # torchrun's --rdzv-id (= REFT's job id) in the agents' environment, not on a
+        # command line every user can read: it names the job's /dev/shm parent
+        self.env["PET_RDZV_ID"] = cfg.job_id
         # workers get a fresh MASTER_ADDR/PORT every round, published by that round's
         # rank 0: torch's shared agent store would keep a replaced node 0's dead port
         self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -178,7 +181,7 @@ class NodeLauncher(JobOutput):
         return [sys.executable, "-c", AGENT_MAIN.format(repo=REPO), f"--nnodes={nn}",
                 f"--node-rank={node}", f"--nproc-per-node={c.nproc_per_node}",
                 f"--rdzv-backend={RDZV_BACKEND}", f"--rdzv-endpoint=127.0.0.1:{c.port}",
-                f"--rdzv-id={c.job_id}", f"--rdzv-conf={self._rdzv_conf()}",
+                f"--rdzv-conf={self._rdzv_conf()}",  # --rdzv-id: PET_RDZV_ID (start_node)
                 f"--max-restarts={c.max_restarts}",
                 f"--monitor-interval={c.monitor_interval}",
                 f"--local-addr={self.local_addr(node)}",
@@ -349,6 +352,10 @@ def main(argv=None) -> int:
     opts = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if not rest:
         p.error("give the training script after '--'")
+    if not opts.job_id:  # the run's own id, kept in its --save (reft_ext/cluster/run_id.py)
+        from reft_ext.cluster import run_id
+
+        opts.job_id = run_id.for_script(rest[1:])[0]
     try:
         cfg = LaunchConfig(**vars(opts))
     except LaunchError as exc:
@@ -385,6 +392,12 @@ def main(argv=None) -> int:
     code = job_exit(codes, bool(stop), getattr(launcher, "flushed", False),
                     cfg.restart == "in-process")
     print(f"job {cfg.job_id}: {EXIT_MEANING.get(code, 'failed')} (exit {code})", flush=True)
+    if code:
+        from reft_ext.cluster.torchrun import host_memory_note
+
+        note = host_memory_note(cfg.job_id, cfg.shm_dir)
+        if note:
+            print(note, flush=True)
     return code
 
 
@@ -393,7 +406,11 @@ def main(argv=None) -> int:
 # stopped and its snapshots flushed (requeue it: it resumes with nothing lost); 1 failed.
 from reft_ext.cluster.supervisor import EXIT_PREEMPTED  # noqa: E402
 
-EXIT_MEANING = {0: "finished", EXIT_PREEMPTED: "preempted, snapshots flushed", 1: "failed"}
+from reft_ext.cluster.job_stop import EXIT_CHECKPOINT, EXIT_WILL_REPEAT, will_repeat  # noqa: E402
+
+EXIT_MEANING = {0: "finished", EXIT_PREEMPTED: "preempted, snapshots flushed", 1: "failed",
+                EXIT_WILL_REPEAT: "failed, not restarted (the same failure at every restart)",
+                EXIT_CHECKPOINT: "failed, not restarted (a refused checkpoint)"}
 
 
 def job_exit(codes: dict, stopped: bool, flushed: bool, in_process: bool) -> int:
@@ -401,8 +418,9 @@ def job_exit(codes: dict, stopped: bool, flushed: bool, in_process: bool) -> int
     the nodes' watchers finished flushing and no rank failed on the way (the in-process
     supervisor's code says so; a torchrun agent ends with 1 after a SIGTERM whatever
     happened, so there the flush decides), else 1."""
-    if not stopped:
-        return 0 if all(c == 0 for c in codes.values()) else 1
+    if not stopped:  # a failure every restart would repeat: its status (job_stop.py)
+        return 0 if all(c == 0 for c in codes.values()) else \
+            will_repeat(codes.values()) or 1
     if not flushed:
         return 1
     if in_process and not all(c in (0, EXIT_PREEMPTED) for c in codes.values()):

@@ -256,11 +256,14 @@ def job_processes(job_id: str, node: str | None = None) -> list[int]:
 
 def lose_node(job_id: str, node: str, shm_dirs: list[str] = ()) -> list[int]:
     """Node ``node`` is gone: every process of the job on it SIGKILLed (its node agent or
-    torchrun, the ranks, REFT's watcher), its shared memory (``shm_dirs``) wiped."""
+    torchrun, the ranks, REFT's watcher), its shared memory (``shm_dirs``, glob patterns:
+    REFT's job id under reft_job.sh has a secret part after the Slurm job id) wiped."""
+    import glob
+
     pids = job_processes(job_id, node)
     for pid in pids:
         _kill(pid, signal.SIGKILL)
-    for d in shm_dirs:
+    for d in [p for pattern in shm_dirs for p in glob.glob(pattern)]:
         shutil.rmtree(d, ignore_errors=True)
     return pids
 

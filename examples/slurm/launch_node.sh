@@ -15,7 +15,10 @@
 # defaults to torchrun's LOCAL_WORLD_SIZE = NPROC_PER_NODE).
 set -uo pipefail  # no -e: torchrun's status is collected, and the watcher waited for
 
-job=${SLURM_JOB_ID:?launch_node.sh runs as a Slurm task (srun) inside a job}
+: "${SLURM_JOB_ID:?launch_node.sh runs as a Slurm task (srun) inside a job}"
+# REFT's job id (reft_job.sh: the Slurm job's with a secret nonce), from the environment:
+# it names /dev/shm/reft-<job> and is given to torchrun as PET_RDZV_ID, not --rdzv-id
+job=${REFT_JOB_ID:-$SLURM_JOB_ID}
 node_id=${SLURM_NODEID:?launch_node.sh runs as a Slurm task (srun)}
 node_name=${SLURMD_NODENAME:-$(hostname -s)}
 python=${PYTHON:-python}
@@ -40,7 +43,7 @@ if [[ ${1:-} == --cleanup ]]; then
     # node directories it held under any rank numbering, status files, handover notes.
     wait_for_watchers
     shopt -s nullglob
-    left=("$shm_dir"/reft-"$job"-node*)
+    left=("$shm_dir"/reft-"$job")  # the job's private parent: its nodes' directories
     if (( ${#left[@]} )); then
         rm -rf -- "${left[@]}"
         say "removed ${#left[@]} REFT shared-memory entries of job $job from $shm_dir"
@@ -60,7 +63,7 @@ if [[ ${RESTART:-torchrun} == in-process ]]; then
     cmd=("$python" -m reft_ext.cluster.node_agent --store "$RDZV_HOST:$RDZV_PORT"
          --node "$node_id" --host "$node_name" --workers "$workers"
          --world-size $(( NNODES_MAX * NPROC_PER_NODE )) --ranks-per-node "$NPROC_PER_NODE"
-         --job-id "$job" -- "$REPO/pretrain_llama.py" "$@")
+         -- "$REPO/pretrain_llama.py" "$@")  # --job-id: REFT_JOB_ID in the environment
     what="node agent"
     launcher="in-process node agent: $workers warm worker(s), $NPROC_PER_NODE ranks per node"
 else
@@ -70,12 +73,14 @@ else
 # reft_job.sh exports) and never unpickled unless sealed (reft_ext/cluster/rendezvous.py).
 rdzv_conf="is_host=false${RDZV_CONF:+,$RDZV_CONF}"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# = torchrun's --rdzv-id = TORCHELASTIC_RUN_ID = REFT's job id (names /dev/shm/reft-<job>),
+# in the environment: a command line is every user's to read
+export PET_RDZV_ID=$job
 cmd=("$python" -m reft_ext.cluster.torchrun
      --nnodes="$NNODES_MIN:$NNODES_MAX"
      --nproc-per-node="$NPROC_PER_NODE"
      --rdzv-backend=reft
      --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT"
-     --rdzv-id="$job"  # = TORCHELASTIC_RUN_ID = REFT's job id (names /dev/shm/reft-<job>-*)
      --rdzv-conf="$rdzv_conf"
      --max-restarts="$MAX_RESTARTS"
      --local-addr="$node_name"  # resolvable like RDZV_HOST; rank 0's is its workers' MASTER_ADDR

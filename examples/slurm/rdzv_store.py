@@ -30,7 +30,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", required=True,
                    help="= the agents' --rdzv-endpoint host: the address to listen on")
-    p.add_argument("--port", type=int, required=True, help="= the agents' --rdzv-endpoint port")
+    p.add_argument("--port", type=int, required=True,
+                   help="= the agents' --rdzv-endpoint port; 0: one the kernel picks, written "
+                        "to --ready-file")
     p.add_argument("--ready-file", default="",
                    help="created once the store accepts connections")
     p.add_argument("--timeout-minutes", type=int, default=60,
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
     print(f"[rdzv-store] pid {os.getpid()}: listening on {a.host}:{store.port}", flush=True)
     if a.ready_file:
         with open_nofollow(a.ready_file) as f:  # never through a planted link
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{os.getpid()}\n{store.port}\n")  # the bound port last (--port 0)
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))

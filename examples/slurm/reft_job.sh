@@ -30,7 +30,8 @@
 #   MAX_RESTARTS   torchrun --max-restarts (default 3)
 #   RDZV_HOST      rendezvous host (default: the first node of the allocation, where
 #                  Slurm runs the batch script and so this file)
-#   RDZV_PORT      rendezvous port (default 29400 + job id mod 1000)
+#   RDZV_PORT      rendezvous port (default: one the store binds, port 0, passed on to
+#                  the nodes: no port another user can work out and hold first)
 #   RDZV_CONF      extra torchrun --rdzv-conf (e.g. keep_alive_interval=5)
 #   LOG_DIR        per-node logs (default <submit dir>/logs/<job name>-<job id>)
 #   PYTHON         the interpreter with torch (default: python, i.e. the active venv)
@@ -70,8 +71,14 @@ reft_job_setup() {
     REFT_MIN_NODES=$(( NNODES_MIN < NNODES_MAX ? NNODES_MIN : 0 ))
 
     RDZV_HOST=${RDZV_HOST:-${hosts[0]}}
-    # one port per job: two jobs sharing a batch host must not meet in one store
-    RDZV_PORT=${RDZV_PORT:-$(( 29400 + SLURM_JOB_ID % 1000 ))}
+    # one port per job, chosen by the kernel when the store binds (port 0) and passed on
+    # to the nodes: a port worked out from the job id could be held by anyone first
+    RDZV_PORT=${RDZV_PORT:-0}
+    # REFT's job id: the Slurm job's, with a per-job secret nonce. It names the job's
+    # /dev/shm parent on every node (<shm>/reft-<id>, reft_ext/store/paths.py): a name
+    # made from the job id alone could be made by another user before the job starts.
+    # srun hands it to the tasks in their environment, never on a command line.
+    REFT_JOB_ID=${REFT_JOB_ID:-$SLURM_JOB_ID-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(8))')}
     NPROC_PER_NODE=${NPROC_PER_NODE:-8}
     MAX_RESTARTS=${MAX_RESTARTS:-3}
     # in-process where it applies (a job of fixed size), else torchrun's restart
@@ -102,10 +109,12 @@ reft_job_setup() {
     # node's last words are what an operator reads first
     export PYTHONUNBUFFERED=1
     export REPO PYTHON ALLOC_NODES SPARE_NODES NNODES_MIN NNODES_MAX REFT_MIN_NODES \
-        RDZV_HOST RDZV_PORT NPROC_PER_NODE MAX_RESTARTS LOG_DIR RESTART SPARE_WORKERS
+        RDZV_HOST RDZV_PORT NPROC_PER_NODE MAX_RESTARTS LOG_DIR RESTART SPARE_WORKERS \
+        REFT_JOB_ID
     echo "[reft_job] job $SLURM_JOB_ID (${SLURM_JOB_NAME:-?}): $ALLOC_NODES node(s) allocated," \
         "training on $NNODES_MIN:$NNODES_MAX x $NPROC_PER_NODE ranks, $SPARE_NODES hot spare(s);" \
-        "rendezvous $RDZV_HOST:$RDZV_PORT; restart $RESTART; max restarts $MAX_RESTARTS;" \
+        "rendezvous $RDZV_HOST:${RDZV_PORT/#0/(port chosen at bind)}; restart $RESTART;" \
+        "max restarts $MAX_RESTARTS;" \
         "logs in $LOG_DIR"
 }
 
@@ -127,7 +136,18 @@ _reft_start_store() {
         (( waited++ < 1200 )) || _reft_die "the rendezvous store is not ready after 120 s"
         sleep 0.1
     done
-    rm -f "$ready"
+    _reft_bound_port "$ready"
+}
+
+# The port the store bound (the ready file's last line): what the nodes connect to.
+_reft_bound_port() {
+    local port
+    port=$(tail -n 1 "$1")
+    [[ $port =~ ^[0-9]+$ ]] || _reft_die "no port in $1"
+    RDZV_PORT=$port
+    export RDZV_PORT
+    rm -f "$1"
+    echo "[reft_job] rendezvous store listening on $RDZV_HOST:$RDZV_PORT"
 }
 
 # RESTART=in-process: the coordinator (the in-process supervisor of every node) hosts
@@ -140,7 +160,7 @@ _reft_start_coordinator() {
         --alloc-nodes "$ALLOC_NODES" --ranks-per-node "$NPROC_PER_NODE" \
         --spares-per-node "$SPARE_WORKERS" --max-restarts "$MAX_RESTARTS" \
         --abort-timeout "${ABORT_TIMEOUT:-30}" \
-        --job-id "$SLURM_JOB_ID" --log-dir "$LOG_DIR" --ready-file "$ready" \
+        --log-dir "$LOG_DIR" --ready-file "$ready" \
         -- "$REPO/pretrain_llama.py" "$@" > >(trap '' TERM; exec tee -a "$LOG_DIR/coordinator.log") 2>&1 &
     REFT_STORE_PID=$!
     local waited=0
@@ -150,7 +170,7 @@ _reft_start_coordinator() {
         (( waited++ < 1200 )) || _reft_die "the coordinator is not listening after 120 s"
         sleep 0.1
     done
-    rm -f "$ready"
+    _reft_bound_port "$ready"
 }
 
 _reft_stop_store() {

@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.training import checkpoint_shape, optimizer_state
+from megatron.training import checkpoint_shape, optimizer_state, save_space
 from megatron.training.checkpoint_integrity import INDEX, seal_checkpoint, verify_checkpoint
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
@@ -214,9 +214,15 @@ class Checkpointer:
             _private_dirs(root, path)
         torch.distributed.barrier()
         sd = sharded_state_dict(state, args, is_loading=False)
-        request = dist_checkpointing.save(
-            sd, path, async_sharded_save=bool(self.async_queue),
-            content_metadata=OPTIM_METADATA)
+        try:
+            request = dist_checkpointing.save(
+                sd, path, async_sharded_save=bool(self.async_queue),
+                content_metadata=OPTIM_METADATA)
+        except (Exception, CheckpointException) as exc:  # a full disk: said once (save_space.py)
+            if not save_space.any_rank_out_of_space(exc):
+                raise
+            raise CheckpointError(save_space.explain(args, it, path, read_tracker(root))) \
+                from None
         if self.async_queue is not None and request.async_fn is not None and \
                 get_fault_observer() is not None:  # ...@save-async: in the writer process
             request = request._replace(async_fn=partial(_faulty_write, request.async_fn, it))

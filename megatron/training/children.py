@@ -52,3 +52,24 @@ def install() -> None:
     if not _installed and sys.platform.startswith("linux"):
         os.register_at_fork(before=_before, after_in_child=_after_in_child)
         _installed = True
+
+
+def die_with_launcher() -> None:
+    """A rank started by a torchrun agent (its parent) is SIGKILLed when the agent ends.
+    The agent starts its workers in sessions of their own: after a SIGKILL of the
+    launcher they trained on as orphans, beside the re-run that should resume from the
+    host memory they still held (issue 59). Their node's watcher flushes as after any
+    death of the ranks."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    agent = os.getppid()
+    try:
+        with open(f"/proc/{agent}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return
+    if b"torchrun" not in cmd and b"torch.distributed.run" not in cmd:
+        return  # not a torchrun agent (the in-process pool sets its own: cluster/spare.py)
+    die_with_parent()
+    if os.getppid() != agent:  # the agent died before the prctl took effect
+        os._exit(1)

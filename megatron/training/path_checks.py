@@ -37,6 +37,11 @@ def check_paths(args, _fail) -> None:
     if args.save:
         _check_writable_dir("--save", args.save, "point it at a directory this user can "
                             "create and write (checkpoints are written there)", _fail)
+        from megatron.training.save_space import start_error
+
+        why = start_error(args)  # not one checkpoint's space: said before any work
+        if why:
+            _fail("--save", why)
     cfg = ReftConfig.from_args(args)
     if cfg.enabled and cfg.flush_dir:  # save-on-failure writes there when it is needed
         _check_writable_dir("--reft-flush-dir", cfg.flush_dir, "point it at a directory "

@@ -51,10 +51,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--abort-timeout", type=float, default=30.0)
     p.add_argument("--node-timeout", type=float, default=NODE_TIMEOUT_S)
-    p.add_argument("--job-id", required=True)
+    p.add_argument("--job-id", default=os.environ.get("REFT_JOB_ID", ""),
+                   help="REFT's job id (default: $REFT_JOB_ID, which reft_job.sh sets with a "
+                        "secret part: a command line is every user's to read)")
     p.add_argument("--log-dir", required=True)
     p.add_argument("--ready-file", default="", help="created once the store listens")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if not a.job_id:
+        p.error("--job-id (or REFT_JOB_ID in the environment) is required")
     if not rest:
         p.error("give the training script after '--'")
     job_secret()  # refuses a missing or short secret before anything starts
@@ -70,8 +74,8 @@ def main(argv=None) -> int:
     def ready() -> None:
         if a.ready_file:
             with open_nofollow(a.ready_file) as f:  # never through a planted link
-                f.write(f"{a.port}\n")
-        pool.say(f"store listening on {a.host}:{a.port}; waiting for {a.alloc_nodes} "
+                f.write(f"{sup.port}\n")  # the bound one (--port 0: the kernel's choice)
+        pool.say(f"store listening on {a.host}:{sup.port}; waiting for {a.alloc_nodes} "
                  f"node agent(s) ({a.nodes} training x {a.ranks_per_node} ranks)")
 
     def stop(signum, frame) -> None:  # a time limit: no new generation from now on

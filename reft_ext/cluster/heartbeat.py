@@ -4,7 +4,7 @@ watcher (reft_ext/cluster/watcher.py), which SIGKILLs a rank that made no progre
 restores the last snapshot from memory, instead of the job sitting in a collective until
 ``--distributed-timeout-minutes`` runs out.
 
-    <shm>/reft-<job>-node<n>/rank<r>.heartbeat    32 bytes, 0600, mmap'd by rank r
+    <shm>/reft-<job>/node<n>/rank<r>.heartbeat    32 bytes, 0600, mmap'd by rank r
 
 Record: seq (u64, +1 per beat), iteration (i64, the last completed), state (u32), pid
 (u32), t (f64, CLOCK_MONOTONIC of the last beat; one clock for every process of a host).

@@ -189,10 +189,13 @@ def main(argv=None) -> int:
                    help="workers to start at once (ranks per node + warm spares)")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--ranks-per-node", type=int, required=True)
-    p.add_argument("--job-id", required=True)
+    p.add_argument("--job-id", default=os.environ.get("REFT_JOB_ID", ""),
+                   help="REFT's job id (default: $REFT_JOB_ID: not on a command line)")
     p.add_argument("--preload", default=DEFAULT_PRELOAD)
     p.add_argument("--connect-timeout", type=float, default=300.0)
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if not a.job_id:
+        p.error("--job-id (or REFT_JOB_ID in the environment) is required")
     if not rest:
         p.error("give the training script after '--'")
     agent = Agent(a, rest)

@@ -55,7 +55,7 @@ def _key() -> str:
 def write_handover(shm_dir: str, job: str, rank: int, node: int, world_size: int) -> str:
     """This rank's place in the job it is leaving (in the old node's private side
     directory, next to its shared-memory directory, so the launcher's clean-up of
-    ``reft-<job>-node*`` removes a stale note too)."""
+    ``reft-<job>`` removes a stale note too)."""
     paths.ensure_side_dir(shm_dir, job, node)
     path = paths.node_file(shm_dir, job, node, f"handover-{_key()}.json")
     write_atomic(path, json.dumps({"rank": rank, "node": node, "world_size": world_size}))
@@ -83,6 +83,7 @@ def take_handover(shm_dir: str, job: str) -> dict | None:
             pass
         try:
             os.rmdir(d)  # the side directory, once empty (no status left in it)
+            paths.remove_parent(shm_dir, job)
         except OSError:
             pass
     return found

@@ -1,8 +1,8 @@
 """REFT's state signals, one small status file per node (failure domain).
 
-    <shm>/reft-<job>-node<n>.meta/status.json   {"node", "ranks", "state", "iteration", ...}
-    <shm>/reft-<job>-node<n>.meta/watcher.pid
-    <shm>/reft-<job>-node<n>.meta/watch.json    {"generation", "pids", "ranks"}
+    <shm>/reft-<job>/node<n>.meta/status.json   {"node", "ranks", "state", "iteration", ...}
+    <shm>/reft-<job>/node<n>.meta/watcher.pid
+    <shm>/reft-<job>/node<n>.meta/watch.json    {"generation", "pids", "ranks"}
 
 In the node's side directory (reft_ext/store/paths.py), next to its shared-memory
 directory, not inside it: a node whose memory is wiped still gets its OFFLINE written by
@@ -91,7 +91,7 @@ def read_job(shm_dir: str, job: str) -> list[dict]:
 
 
 def jobs(shm_dir: str) -> list[str]:
-    names = glob.glob(os.path.join(shm_dir, f"{paths.PREFIX}*-node*{paths.SIDE}", STATUS))
+    names = glob.glob(os.path.join(shm_dir, f"{paths.PREFIX}*", f"node*{paths.SIDE}", STATUS))
     return sorted({paths.job_of(os.path.dirname(n), paths.SIDE) for n in names} - {None})
 
 
@@ -186,6 +186,7 @@ def remove_side_files(shm_dir: str, job: str, node: int, names: list[str]) -> No
             pass
     try:
         os.rmdir(d)
+        paths.remove_parent(shm_dir, job)  # the job's parent, once nothing is left in it
     except OSError:
         pass  # other files left (a handover note, the status): it stays
 

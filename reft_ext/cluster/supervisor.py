@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from reft_ext.cluster.inprocess import (key, new_secret, read_signed, set_first, sign,
                                         wake_ranks)
+from reft_ext.cluster.job_stop import will_repeat
 from reft_ext.cluster.pool import LocalPool, Pool, Worker
 from reft_ext.cluster.startup_watch import StartupWatch, stopped
 from reft_ext.cluster.straggler_swap import exits_are_swaps, publish_capacity
@@ -225,6 +226,13 @@ class Supervisor:
                         self.returncode = max(codes.values())
                         if dead:
                             self.failure = f"rank(s) {dead} failed after training ended"
+                        return
+                    repeat = will_repeat(codes[r] for r in dead)
+                    if repeat is not None:  # a restart would fail the same way (job_stop.py)
+                        self.failure = (f"rank(s) {dead} exited with {repeat}: a failure "
+                                        f"every restart repeats (said above), not restarted")
+                        self.returncode = repeat
+                        self.pool.close()
                         return
                     if 0 not in codes.values():  # not finishing (the others saving)
                         asked = self._signed(key("abort", self.gen), self.gen)

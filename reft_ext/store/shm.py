@@ -1,6 +1,7 @@
 """Named POSIX shared-memory segments that outlive the training process.
 
-A segment is a file ``<base>/reft-<job_id>/<name>`` on a tmpfs (reft_ext/store/paths.py;
+A segment is a file ``<base>/reft-<job_id>/<name>`` on a tmpfs (a failure domain's
+namespace ``<job>/node<n>``: ``<base>/reft-<job>/node<n>/<name>``; reft_ext/store/paths.py;
 default base: ``$REFT_SHM_DIR`` or ``/dev/shm``), directory mode 0700, file mode 0600,
 created with O_CREAT|O_EXCL so two writers never share one by accident.  It is
 mapped MAP_SHARED and exposed as a zero-copy torch tensor; after the process
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from reft_ext import _native, safe_dir
+from reft_ext.store import paths
 from reft_ext.store.paths import check_name as _check_name
 from reft_ext.store.paths import job_dir
 from reft_ext.testing import fault_point  # tests: --inject-fault ...:shm-full (no-op otherwise)
@@ -171,6 +173,9 @@ class ShmSegment:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
         d = job_dir(job_id, base_dir)
+        parent = paths.parent_of(job_id, base_dir)
+        if parent is not None:  # the job's private parent first (reft_ext/store/paths.py)
+            ensure_private_dir(parent)
         ensure_private_dir(d)
         path = os.path.join(d, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -224,10 +229,12 @@ class ShmSegment:
                 os.unlink(os.path.join(d, n))
             except FileNotFoundError:
                 pass
-        try:
-            os.rmdir(d)
-        except (FileNotFoundError, OSError):
-            pass  # gone, or another rank of the node is still removing its files
+        for empty in (d, paths.parent_of(job_id, base_dir)):
+            try:
+                if empty is not None:
+                    os.rmdir(empty)
+            except (FileNotFoundError, OSError):
+                break  # gone, or another rank (or node) still has files there
 
     def close(self) -> None:
         """Unmaps and closes this process's handle; the segment itself stays."""

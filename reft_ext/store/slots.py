@@ -3,9 +3,9 @@
 A ring of K slots per rank (``--reft-keep K``, 2 or 3 by the job's size), each a data segment plus a
 JSON manifest:
 
-    /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.bin    own slice | redundancy | owned
-    /dev/shm/reft-<job>-node<n>/rank<r>.slot<s>.json   iteration, layout, CRCs, metadata
-    /dev/shm/reft-<job>-node<n>/rank<r>.committed      the slot of the last commit
+    /dev/shm/reft-<job>/node<n>/rank<r>.slot<s>.bin    own slice | redundancy | owned
+    /dev/shm/reft-<job>/node<n>/rank<r>.slot<s>.json   iteration, layout, CRCs, metadata
+    /dev/shm/reft-<job>/node<n>/rank<r>.committed      the slot of the last commit
 
 A new snapshot always goes to an empty slot or the oldest one, never the committed one,
 and its manifest is deleted before the first byte is written and renamed into place

@@ -50,7 +50,7 @@ def test_sigterm_after_a_logged_iteration_loses_nothing(ranks, tmp_path, referen
         flushed = sorted(glob.glob(os.path.join(save, "reft-flush", "rank*.committed")))
         assert len(flushed) == 4, flushed
     finally:  # the new job starts on empty host memory (node dirs, status files)
-        for p in glob.glob(os.path.join("/dev/shm", f"reft-{job}-*")):
+        for p in glob.glob(os.path.join("/dev/shm", f"reft-{job}")):  # the job's parent
             shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
     run = torchrun(4, args + ["--load", save]).check()
     assert sorted(e["rank"] for e in run.events_of("imported_flushed", iteration=3)) == \

@@ -67,7 +67,7 @@ class Job:
 
 def lose_node(job_id: str, node: str, slot: int) -> list[int]:
     """Node ``node`` is gone, with the shared memory of the slot it held."""
-    return local_slurm.lose_node(job_id, node, [f"/dev/shm/reft-{job_id}-node{slot}"])
+    return local_slurm.lose_node(job_id, node, [f"/dev/shm/reft-{job_id}-*/node{slot}"])
 
 
 def sbatch(slurm, tmp_path, *options, faults=(), timeout=300, shm_left=False, **env) -> Job:
@@ -113,7 +113,9 @@ def reference(slurm, tmp_path_factory) -> Job:
     job = sbatch(slurm, tmp_path_factory.mktemp("ref"), EXTRA_ARGS=EXTRA, SPARE_WORKERS="0")
     assert job.rc == 0, job.output[-6000:]
     assert "restart in-process" in job.output
-    assert "[inprocess] job %s: exit 0 after 0 restart(s)" % job.job_id in job.output
+    # REFT's job id: the Slurm job's with the batch script's secret nonce (reft_job.sh)
+    assert re.search(r"\[inprocess\] job %s-[0-9a-f]{16}: exit 0 after 0 restart\(s\)"
+                     % job.job_id, job.output), job.output[-3000:]
     return job
 
 

@@ -202,10 +202,10 @@ def test_load_with_other_layout_names_the_flag(small_checkpoint):
 def _job_shm(job):
     """Every /dev/shm entry of --reft-job-id ``job``, with the files of its directories."""
     out = {}
-    for name in sorted(os.listdir("/dev/shm")):
-        if name.startswith(f"reft-{job}-"):
-            p = os.path.join("/dev/shm", name)
-            out[name] = sorted(os.listdir(p)) if os.path.isdir(p) else None
+    parent = os.path.join("/dev/shm", f"reft-{job}")  # the job's private parent
+    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        p = os.path.join(parent, name)
+        out[name] = sorted(os.listdir(p)) if os.path.isdir(p) else None
     return out
 
 
@@ -251,7 +251,7 @@ def test_refused_restart_keeps_the_snapshots_there_before(small_checkpoint, shm_
                         "--reft-keep-snapshots", "--reft-snapshot-every", "1",
                         "--reft-job-id", shm_job]).check()
     before = _job_shm(shm_job)
-    assert any(f.endswith(".slot0.bin") for f in before[f"reft-{shm_job}-node0"]), before
+    assert any(f.endswith(".slot0.bin") for f in before["node0"]), before
     again = torchrun(2, _other_tp(small_checkpoint, shm_job))  # another layout's snapshots
     assert again.returncode != 0 and "iteration        1/" not in again.output
     assert _job_shm(shm_job) == before

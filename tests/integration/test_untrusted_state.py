@@ -328,7 +328,7 @@ def test_changed_layout_or_failure_domains_are_refused():
         assert ("iteration 3: reft_ranks_per_node 1 there, 2 here). Start this run with "
                 "another --reft-job-id") in rpn.output
         for out in (pp.output, rpn.output):
-            assert f"error: --reft-job-id: host memory (/dev/shm/reft-{job}-node0)" in out
+            assert f"error: --reft-job-id: host memory (/dev/shm/reft-{job}/node0)" in out
             assert "iteration        1/" not in out
     finally:
         _remove_job_shm(job)

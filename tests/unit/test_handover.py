@@ -20,7 +20,7 @@ def store_args():
     job = "ho" + uuid.uuid4().hex[:8]
     yield (job, 0, 0, "/dev/shm")
     handover.release()
-    ShmSegment.remove_job(f"{job}-node0", base_dir="/dev/shm")
+    ShmSegment.remove_job(f"{job}/node0", base_dir="/dev/shm")
 
 
 def _count_attaches(monkeypatch) -> list:
@@ -61,7 +61,7 @@ def test_a_replaced_file_is_attached_anew_and_leftovers_are_closed(store_args, m
     # slot 0's file is replaced under the same name (another run's cleanup and start)
     path = segs[0].path
     os.unlink(path)
-    fresh = ShmSegment.create(f"{store_args[0]}-node0", os.path.basename(path), NBYTES,
+    fresh = ShmSegment.create(f"{store_args[0]}/node0", os.path.basename(path), NBYTES,
                               base_dir="/dev/shm")
     fresh.close()
     attaches = _count_attaches(monkeypatch)

@@ -92,7 +92,8 @@ def test_side_files_live_in_the_private_side_directory(shm):
     st = os.lstat(side)
     assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.geteuid()
     assert os.stat(status.path(shm, "j", 0)).st_mode & 0o777 == 0o600
-    assert sorted(os.listdir(shm)) == ["reft-j-node0.meta"]
+    assert sorted(os.listdir(shm)) == ["reft-j"]  # the job's private parent only
+    assert sorted(os.listdir(os.path.join(shm, "reft-j"))) == ["node0.meta"]
     assert status.jobs(shm) == ["j"] and status.read_job(shm, "j")[0]["state"] == "HEALTHY"
 
 
@@ -123,7 +124,8 @@ def test_planted_finished_and_pid_at_old_names_have_no_effect(shm, tmp_path, oth
 @needs_other_user
 def test_side_directory_of_another_user_is_refused_and_never_read(shm, tmp_path):
     job = "sq"
-    side = paths.side_dir(shm, job, 0)
+    side, parent = paths.side_dir(shm, job, 0), paths.job_parent(shm, job)
+    as_nobody("mkdir", "-m", "0777", parent)  # the job's parent, made first by another user
     as_nobody("mkdir", "-m", "0777", side)
     _plant(os.path.join(side, "status.json"), json.dumps({"node": 0, "state": "FINISHED"}),
            True)
@@ -133,12 +135,12 @@ def test_side_directory_of_another_user_is_refused_and_never_read(shm, tmp_path)
     assert status.read_job(shm, job) == []
     with pytest.raises(paths.PrivateDirError) as info:
         status.write(shm, job, 0, status.HEALTHY)
-    assert side in str(info.value) and f"belongs to uid {NOBODY}" in str(info.value)
+    assert parent in str(info.value) and f"belongs to uid {NOBODY}" in str(info.value)
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         with pytest.raises(paths.PrivateDirError) as info:
             watcher.spawn(shm, job, 0, [worker.pid], str(tmp_path / "flush"))
-        assert side in str(info.value)
+        assert parent in str(info.value)
     finally:
         worker.kill()
         worker.wait()
@@ -149,6 +151,7 @@ def test_side_directory_of_another_user_is_refused_and_never_read(shm, tmp_path)
 
 def test_own_side_directory_open_to_others_is_closed_and_files_checked(shm, tmp_path):
     side = paths.side_dir(shm, "m", 0)
+    os.mkdir(os.path.dirname(side), 0o700)
     os.mkdir(side)
     os.chmod(side, 0o777)
     assert status.read(shm, "m", 0) is None  # not private: nothing read from it

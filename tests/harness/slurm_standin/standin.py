@@ -248,7 +248,9 @@ class Step:
         from reft_ext.cluster import status
         from tools.launch_nodes import _descendants, _killpg
 
-        job = os.environ["SLURM_JOB_ID"]
+        from reft_ext.store import paths
+
+        job = os.environ.get("REFT_JOB_ID") or os.environ["SLURM_JOB_ID"]  # reft_job.sh's
         shm = os.environ.get("STANDIN_SHM_DIR", "/dev/shm")
         with self.lock:
             victims = [t for t in self.tasks if t["node"] == node and t["proc"].poll() is None]
@@ -263,10 +265,10 @@ class Step:
                 except ProcessLookupError:
                     pass
         status.kill_watcher(shm, job, node)
-        shutil.rmtree(os.path.join(shm, f"reft-{job}-node{node}"), ignore_errors=True)
+        shutil.rmtree(paths.node_dir(shm, job, node), ignore_errors=True)
         status.write(shm, job, node, status.OFFLINE, detail="node lost (srun stand-in)")
         self.echo(f"[standin srun] node {node} ({self.hosts[node]}) lost: SIGKILL of its "
-                  f"{len(victims)} task(s) and their processes, {shm}/reft-{job}-node{node} "
+                  f"{len(victims)} task(s) and their processes, {paths.node_dir(shm, job, node)} "
                   f"removed")
 
     def echo(self, msg: str) -> None:
