@@ -107,6 +107,13 @@ def _add_training_args(p):
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train-iters")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine",
                                                 "inverse-square-root", "WSD"], default="cosine")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, this run's --lr/--min-lr/--lr-warmup-iters/"
+                        "--lr-decay-iters/--lr-decay-style/--weight-decay/--train-iters "
+                        "replace the saved schedule's (refused without one of these two)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, keep the saved learning-rate schedule whatever those "
+                        "flags say")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -233,6 +240,9 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None, facts=None)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     validate_args(args, facts)
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler", "and --use-checkpoint-opt_param-scheduler "
+              "exclude each other (this run's schedule, or the saved one): give one")
     _check_paths(args)
     return args
 

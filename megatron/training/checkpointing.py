@@ -311,6 +311,11 @@ class Checkpointer:
             raise CheckpointError(f"--load {root}: cannot read {path}/common.pt: "
                                   f"{type(exc).__name__}: {exc}") from exc
         self._check_layout(common.get("args", {}), path, finetune)
+        if load_optim and "opt_param_scheduler" in common:  # another schedule: refused
+            from megatron.training.scheduler_resume import check_resumed_schedule
+
+            check_resumed_schedule(state.scheduler, common["opt_param_scheduler"],
+                                   f"--load {path}")
         if not finetune:
             self._warn_other_run(common, path)
         saved_dp = common.get("args", {}).get("data_parallel_size", args.data_parallel_size)

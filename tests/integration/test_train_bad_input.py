@@ -192,6 +192,29 @@ def test_load_corrupt_checkpoint_fails_clearly_and_touches_nothing(small_checkpo
     assert _digest(root) == before  # nothing written, nothing deleted
 
 
+def test_changed_schedule_on_resume_is_refused_without_the_scheduler_flags(small_checkpoint):
+    """--train-iters 4 on a checkpoint of a 3-iteration run changes the decay and
+    weight-decay horizons: refused before anything is read, naming the flags (Megatron-LM's
+    check); --use-checkpoint-opt_param-scheduler resumes with the saved schedule."""
+    out = _main(TINY + ["--train-iters", "4", "--load", small_checkpoint])
+    assert out.returncode != 0
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"error: --load {small_checkpoint}/iter_0000003: the learning-rate "
+                          f"schedule differs from the one it was saved with (--lr-decay-iters "
+                          f"(default --train-iters) 4 here, 3 there; --train-iters 4 here, 3 "
+                          f"there)"), err
+    assert "--override-opt_param-scheduler" in err and \
+        "--use-checkpoint-opt_param-scheduler" in err
+    assert "iteration        4/" not in out.stdout
+    ok = _main(TINY + ["--train-iters", "4", "--load", small_checkpoint,
+                       "--use-checkpoint-opt_param-scheduler"])
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "learning-rate schedule changed (--lr-decay-iters (default --train-iters) 4 " \
+           "here, 3 there; --train-iters 4 here, 3 there): the saved values are used " \
+           "(--use-checkpoint-opt_param-scheduler)" in ok.stdout
+    assert "iteration        4/" in ok.stdout
+
+
 def test_load_with_other_layout_names_the_flag(small_checkpoint):
     out = _main(TINY[:1] + ["2"] + TINY[2:] + ["--train-iters", "4",
                                               "--load", small_checkpoint])
