@@ -247,11 +247,34 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None, facts=None)
     return args
 
 
+def resolved_defaults(args) -> dict:
+    """What the run uses where a flag was left to its default (None): the backend
+    initialize.py picks, the shipped corpus data.py trains on. Shown in the table (as
+    Megatron-LM's holds the values it set), not written back into ``args``: the data
+    path is part of a checkpoint's identity (checkpointing.py IDENTITY_FIELDS)."""
+    out = {}
+    if getattr(args, "distributed_backend", "x") is None:
+        import torch
+
+        from megatron.training.initialize import distributed_backend
+
+        out["distributed_backend"] = distributed_backend(None, torch.cuda.is_available())
+    per_split = any(getattr(args, f"{s}_data_path", None) for s in ("train", "valid", "test"))
+    if "data_path" in vars(args) and args.data_path is None and \
+            not getattr(args, "mock_data", False) and not per_split:
+        from megatron.training.dataset_files import DEFAULT_DATA_PREFIX
+
+        out["data_path"] = [DEFAULT_DATA_PREFIX]
+    return out
+
+
 def format_args_table(args) -> str:
-    """Megatron's start-up table: one dotted line per argument."""
+    """Megatron's start-up table: one dotted line per argument, with the value the run
+    uses (:func:`resolved_defaults`)."""
+    used = {**vars(args), **resolved_defaults(args)}
     lines = ["------------------------ arguments ------------------------"]
-    for key in sorted(vars(args)):
+    for key in sorted(used):
         dots = "." * max(2, 48 - len(key))
-        lines.append(f"  {key} {dots} {getattr(args, key)}")
+        lines.append(f"  {key} {dots} {used[key]}")
     lines.append("-------------------- end of arguments ---------------------")
     return "\n".join(lines)

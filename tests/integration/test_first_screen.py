@@ -3,7 +3,7 @@ warning line (megatron-core's and torch's known notes muted by their wording, na
 [REFT] line: megatron/training/fallbacks.py; nor does tools/preprocess_data.py --help),
 `make run-inprocess` shows the job's log as `make run` does, each line prefixed with its
 rank as torchrun prefixes it (tools/log_follow.py), and `make demo-nodes ARGS=...` hands
-ARGS to its failure-free run and moves the lost node into the shorter run.
+ARGS to its failure-free run (the demo's own) and moves the lost node into the shorter run.
 
 The recipes are the Makefile's own (``make -n``, then run with bash from the repository
 root as make runs them), shortened by ``ARGS`` and ``NPROC``; PYTHONWARNINGS is unset as in
@@ -120,19 +120,17 @@ def test_log_follower_prints_each_ranks_new_lines_once_with_its_prefix(tmp_path)
 
 
 def test_make_demo_nodes_passes_args_to_its_baseline_and_moves_the_fault():
-    """`make demo-nodes ARGS="--train-iters 40"`: the failure-free run of the same ARGS
-    (its own directory, never the 300-iteration one) and the node lost at 5/6 of the run."""
-    short = recipe_lines("demo-nodes", ARGS="--train-iters 40")
-    base = next(line for line in short if line.startswith("test -f runs/nodes-"))
-    assert base.endswith('ARGS="--use-tp-pp-dp-mapping --reft-ranks-per-node 2 '
-                         '--train-iters 40"'), base
-    demo = " ".join(short[short.index(next(x for x in short if "tools/demo.py" in x)):])
-    assert "--inject-fault 2:33:KILL:node --train-iters 40" in demo, demo
-    nodes_dir = base.split()[2].rsplit("/", 1)[0]
-    assert f"--compare {nodes_dir}/train.log --compare-checkpoint {nodes_dir}/checkpoints" \
-        in demo, demo
+    """`make demo-nodes ARGS="--train-iters 40"`: the node lost at 5/6 of the run, and
+    the failure-free run the demo makes of the same flags (tools/demo.py: its own, one
+    per set of flags), never `make run`'s directory."""
+    short = " ".join(recipe_lines("demo-nodes", ARGS="--train-iters 40"))
+    assert "--inject-fault 2:33:KILL:node --train-iters 40" in short, short
+    assert "--reference-dir runs/demo-nodes-reference --" in short, short
+    assert "runs/default" not in short and "--compare" not in short, short
     full = " ".join(recipe_lines("demo-nodes"))
-    assert "test -f runs/nodes/train.log" in full and "2:250:KILL:node" in full, full
+    assert "2:250:KILL:node" in full, full
+    demo = " ".join(recipe_lines("demo"))
+    assert "--reference-dir runs/demo-reference --" in demo and "--compare" not in demo
 
 
 def recipe_lines(target: str, **make_vars: str) -> list[str]:
