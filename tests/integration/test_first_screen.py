@@ -50,10 +50,32 @@ def warning_lines(screen: str) -> list[str]:
 
 
 def test_make_run_first_screen_has_no_warning_line(tmp_path):
-    # DP 2 with ZeRO-1: megatron-core's reduce-scatter, all-gather and zero_grad (each
-    # a warning per rank before; REFT_SHOW_LIBRARY_NOTES=1 shows them again)
+    """DP 2 with ZeRO-1: megatron-core's reduce-scatter, all-gather and zero_grad (each
+    a warning per rank before; REFT_SHOW_LIBRARY_NOTES=1 shows them again). Under
+    --reft-protect arc (no aor) one [REFT] line says the optimizer shards are bare; the
+    argument table, the dataset lines and TensorBoard read as Megatron-LM's (issue 59)."""
     out = run_recipe("run", tmp_path, RUN_DIR=str(tmp_path / "run"), NPROC="2",
-                     ARGS=f"--pipeline-model-parallel-size 1 {SHORT}")
+                     ARGS=f"--pipeline-model-parallel-size 1 --reft-protect arc {SHORT}")
+    bare = [line for line in out.splitlines() if "ZeRO-1 optimizer shards unprotected" in line]
+    assert len(bare) == 1 and bare[0].startswith("[REFT] ") and \
+        "a lost node costs the persistent checkpoint" in bare[0] and \
+        "--reft-protect arc,aor covers them" in bare[0], bare or out[:4000]
+    # what the run uses: gloo on CPU, the shipped corpus
+    assert re.search(r"^  distributed_backend \.+ gloo$", out, re.M), out[:6000]
+    assert re.search(r"^  data_path \.+ \['\S+/data/pd_english_text_document'\]$", out, re.M)
+    assert ("> building train, validation, and test datasets ...\n"
+            " > datasets target sizes (minimum size):\n"
+            "    train:      64\n    validation: 64\n    test:       32\n"
+            "> building train, validation, and test datasets for GPT ...") in out, out[:8000]
+    from tests.integration.test_log_lines import tensorboard_scalars
+
+    tags = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    for name in ("lm loss", "learning-rate", "batch-size", "loss-scale", "grad-norm"):
+        assert [s for s, _ in tags[name]] == [1, 2], (name, sorted(tags))
+        assert [s for s, _ in tags[f"{name} vs samples"]] == [32, 64], name
+    for name in ("lm loss validation", "lm loss validation ppl"):
+        assert [s for s, _ in tags[f"{name} vs samples"]] == [64], (name, sorted(tags))
+    assert 0 < tags["iteration-time"][0][1] < 60  # seconds, as Megatron-LM writes it
     assert not warning_lines(out), "\n".join(warning_lines(out))
     muted = [line for line in out.splitlines() if line.startswith("[REFT] muted by their")]
     assert len(muted) == 1 and "reduce_scatter_tensor" in muted[0], out[:4000]
