@@ -2,8 +2,12 @@
 deferred megatron-core jit_fuser, without torchrun (the end-to-end runs that print them
 are in test_reft_recovery.py and test_aor_recovery.py)."""
 
+import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from reft_ext.report import summary
 from reft_ext.load.recover import recovery_tier
@@ -133,3 +137,40 @@ def test_megatron_jit_fuser_is_compiled_on_first_call_only():
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.slow  # three 2-rank jobs (the reference once, the demo twice)
+def test_demo_twice_in_a_row_reports_identical(tmp_path):
+    """tools/demo.py as `make demo` runs it, twice: the first makes its failure-free
+    reference (its own directory, keyed by the flags), the second reuses it; both report
+    the hashes, the loss of the iterations logged over a whole interval and the final
+    checkpoint identical. The crash in iteration 6 (restored: 5) leaves the line of
+    iteration 8 averaging 6-8 only: it says so and is not compared."""
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--train-iters", "8", "--lr-warmup-iters", "1", "--log-interval", "4",
+             "--eval-iters", "0", "--use-distributed-optimizer", "--log-params-hash",
+             "--reft-snapshot-every", "1", "--reft-protect", "arc,aor",
+             "--reft-ranks-per-node", "1", "--inject-fault", "1:6"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
+    cmd = [sys.executable, "tools/demo.py", "--run-dir", str(tmp_path / "demo"), "--nproc",
+           "2", "--reference-dir", str(tmp_path / "demo-reference"), "--", *flags]
+    outs = []
+    for _ in range(2):
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env=env)
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        outs.append(p.stdout)
+    ref = demo.reference_dir(str(tmp_path / "demo-reference"), 2, flags)
+    assert f"== failure-free reference: {ref} (once per set of flags) ==" in outs[0]
+    assert f"== failure-free reference: {ref} (made before with the same flags) ==" in outs[1]
+    for out in outs:
+        assert "- crash: SIGKILL to rank 1 in iteration 6" in out, out[-3000:]
+        assert re.search(r" iteration +8/ +8 \|.*lm loss: \S+ \(of iterations 6-8 only\) \|",
+                         out), out[-3000:]
+        assert (f"- lm loss of the 1 logged iterations both runs averaged over a whole "
+                f"interval: identical (iteration 4: ") in out, out[-3000:]
+        assert "not compared: iteration 8 (this run's line averages iterations 6-8 only" in out
+        assert f"bit-identical to the failure-free run ({ref})" in out
+        assert "- final checkpoint identical to the failure-free run's" in out
