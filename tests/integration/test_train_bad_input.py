@@ -215,6 +215,17 @@ def test_changed_schedule_on_resume_is_refused_without_the_scheduler_flags(small
     assert "iteration        4/" in ok.stdout
 
 
+def test_rerun_of_a_finished_job_says_so_and_trains_nothing(small_checkpoint):
+    """The same flags again on the finished checkpoint: one line, nothing trained, no
+    recovery counted, no goodput of a run that did not run."""
+    out = _main(TINY + ["--train-iters", "3", "--load", small_checkpoint])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "already at --train-iters 3: the loaded state is at it, nothing to train" \
+        in out.stdout, out.stdout[-3000:]
+    for absent in (" iteration        ", "recoveries:", "goodput"):
+        assert absent not in out.stdout, absent
+
+
 def test_load_with_other_layout_names_the_flag(small_checkpoint):
     out = _main(TINY[:1] + ["2"] + TINY[2:] + ["--train-iters", "4",
                                               "--load", small_checkpoint])
