@@ -248,17 +248,11 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None, facts=None)
 
 
 def resolved_defaults(args) -> dict:
-    """What the run uses where a flag was left to its default (None): the backend
-    initialize.py picks, the shipped corpus data.py trains on. Shown in the table (as
-    Megatron-LM's holds the values it set), not written back into ``args``: the data
-    path is part of a checkpoint's identity (checkpointing.py IDENTITY_FIELDS)."""
+    """What the run uses where a flag was left to its default (None): the shipped corpus
+    data.py trains on (the backend: the trainer passes the one initialize.py picked).
+    Shown in the table (as Megatron-LM's holds the values it set), not written back into
+    ``args``: the data path is part of a checkpoint's identity (checkpointing.py)."""
     out = {}
-    if getattr(args, "distributed_backend", "x") is None:
-        import torch
-
-        from megatron.training.initialize import distributed_backend
-
-        out["distributed_backend"] = distributed_backend(None, torch.cuda.is_available())
     per_split = any(getattr(args, f"{s}_data_path", None) for s in ("train", "valid", "test"))
     if "data_path" in vars(args) and args.data_path is None and \
             not getattr(args, "mock_data", False) and not per_split:
@@ -268,10 +262,10 @@ def resolved_defaults(args) -> dict:
     return out
 
 
-def format_args_table(args) -> str:
+def format_args_table(args, resolved: dict | None = None) -> str:
     """Megatron's start-up table: one dotted line per argument, with the value the run
-    uses (:func:`resolved_defaults`)."""
-    used = {**vars(args), **resolved_defaults(args)}
+    uses (:func:`resolved_defaults`, and ``resolved``: the caller's)."""
+    used = {**vars(args), **resolved_defaults(args), **(resolved or {})}
     lines = ["------------------------ arguments ------------------------"]
     for key in sorted(used):
         dots = "." * max(2, 48 - len(key))

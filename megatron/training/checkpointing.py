@@ -24,6 +24,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training import checkpoint_shape, optimizer_state
+from megatron.training.checkpoint_errors import CheckpointError  # noqa: F401 - re-exported
 from megatron.training.checkpoint_integrity import INDEX, seal_checkpoint, verify_checkpoint
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
@@ -54,8 +55,6 @@ def run_identity(args) -> dict:
     return {k: getattr(args, k, None) for k in IDENTITY_FIELDS}
 
 
-class CheckpointError(RuntimeError):
-    """A missing, corrupt or incompatible checkpoint; the message names the path."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:

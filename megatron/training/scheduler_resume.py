@@ -12,7 +12,7 @@ Both tiers call it before they restore anything: the persistent checkpoint
 
 from __future__ import annotations
 
-from megatron.training.checkpointing import CheckpointError
+from megatron.training.checkpoint_errors import CheckpointError
 
 # (state-dict key, the flag that sets it, counted in samples: shown in iterations)
 FIELDS = (
