@@ -219,7 +219,7 @@ def simulate_goodput(rate: float, q: float, snap_every: float, snap_cost: float,
 
 
 # ---- a planned job ----------------------------------------------------------------------
-def unprotected_reason(plan, disjoint: bool) -> str | None:
+def unprotected_reason(plan, disjoint: bool, group: int = 2) -> str | None:
     """Why a lost node is not recoverable from host memory under this plan (the model's
     0 protected failures per group), or None when one per group is."""
     par, scheme = plan.par, plan.snap.protect
@@ -232,8 +232,11 @@ def unprotected_reason(plan, disjoint: bool) -> str | None:
                 f"on another node under --reft-protect {scheme}: a lost node's shards are "
                 f"gone, so every node loss falls back to the persistent checkpoint; "
                 f"--reft-protect {scheme},aor covers them")
+    if group <= 1:
+        return "each sharding group lives on one node: a node loss takes every copy"
     if not disjoint:
-        return "the sharding groups share nodes unevenly: one node loss can cost a group two members"
+        return ("the sharding groups share nodes unevenly: one node loss can cost a group "
+                "two members")
     return None
 
 
@@ -250,7 +253,7 @@ class JobReliability:
         self.nodes, self.group = par.nodes, max(len(g) for g in groups)
         self.disjoint = self.group > 1 and all(len(g) == self.group for g in groups) and \
             sum(len(g) for g in groups) == len({n for g in groups for n in g})
-        self.why_unprotected = unprotected_reason(plan, self.disjoint)
+        self.why_unprotected = unprotected_reason(plan, self.disjoint, self.group)
         self.k = 0 if self.why_unprotected else 1
         self.rate = self.nodes / mtbf_hours(lam, c)            # failures per hour
         self.snap_interval = plan.snap.snapshot_every * plan.t_iter / HOUR

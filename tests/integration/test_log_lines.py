@@ -1,9 +1,11 @@
 """The log a person reads (issue 36): `--reft-log-every-snapshot` brings back one
 ``[REFT] snapshot iteration i`` line per snapshot, and megatron-core's fallback warnings
 are one line from rank 0; Megatron-LM's dataset lines and TensorBoard names, the [REFT]
-line of ZeRO-1 shards left bare, a re-run of a finished job (issue 59). The default, one ``[REFT] snapshots`` line per --log-interval,
-is checked on test_reft_collectives.py's 4-rank job (no run of its own: the default tier
-is at its time budget), the flag also on test_has.py's."""
+line of ZeRO-1 shards left bare, a re-run of a finished job (issue 59, slow; the default
+tier checks the first three on test_first_screen.py's `make run`). The default, one
+``[REFT] snapshots`` line per --log-interval, is checked on test_reft_collectives.py's
+4-rank job (no run of its own: the default tier is at its time budget), the flag also on
+test_has.py's."""
 
 from __future__ import annotations
 
