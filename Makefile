@@ -62,27 +62,27 @@ run-inprocess: install
 
 # The same job from scratch with a crash (rank 1, iteration 150) and a lost node (rank 2
 # and its shared memory, iteration 250, on the restarted attempt); prints what happened
-# and compares the final loss and state with `make run`'s (runs/default/train.log).
+# and compares the state hashes, the loss of the same iterations and the final checkpoint
+# with a failure-free run of the same flags: the demo's own (runs/demo-reference-<checksum
+# of the flags>, made on first use and reused; `make run`'s directory is never read).
 DEMO_DIR ?= runs/demo
 DEMO_FAULTS ?= 1:150,2:250:KILL:node:1
 demo: install
 	$(PY) tools/demo.py --run-dir $(DEMO_DIR) --nproc $(NPROC) \
-	    --compare $(RUN_DIR)/train.log -- $(JOB_ARGS) --inject-fault $(DEMO_FAULTS) $(ARGS)
+	    --reference-dir $(DEMO_DIR)-reference -- $(JOB_ARGS) --inject-fault $(DEMO_FAULTS) $(ARGS)
 
 # The same job on 2 nodes x 2 ranks (--reft-ranks-per-node 2), each node holding one rank
 # of each pipeline stage (--use-tp-pp-dp-mapping): the placement keeps every ARC and AOR
 # copy on the other node (docs/reft.md, "Placement"), and node 1 (ranks 2 and 3 with its
 # shared memory) is lost at iteration 250 (5/6 of --train-iters: 33 of ARGS="--train-iters
-# 40"). The failure-free run of this layout with the same ARGS (runs/nodes; another ARGS:
-# runs/nodes-<its checksum>) is made first when missing.
+# 40"). Its failure-free run with the same flags (runs/demo-nodes-reference-<checksum>) is
+# made first when missing.
 NODES_ARGS = --use-tp-pp-dp-mapping --reft-ranks-per-node 2
 NODES_ITERS = $(or $(shell echo ' $(ARGS) ' | sed -n 's/.* --train-iters[ =]\([0-9][0-9]*\) .*/\1/p'),300)
 NODES_FAULT ?= 2:$(shell echo $$(( $(NODES_ITERS) * 5 / 6 ))):KILL:node
-NODES_DIR ?= runs/nodes$(if $(strip $(ARGS)),-$(shell echo '$(ARGS)' | cksum | cut -d' ' -f1))
 demo-nodes: install
-	test -f $(NODES_DIR)/train.log || $(MAKE) run RUN_DIR=$(NODES_DIR) ARGS="$(NODES_ARGS) $(ARGS)"
 	$(PY) tools/demo.py --run-dir runs/demo-nodes --nproc $(NPROC) \
-	    --compare $(NODES_DIR)/train.log --compare-checkpoint $(NODES_DIR)/checkpoints -- \
+	    --reference-dir runs/demo-nodes-reference -- \
 	    $(JOB_ARGS) $(NODES_ARGS) --inject-fault $(NODES_FAULT) $(ARGS)
 
 # `make test` (CI, ~11 min on 2 cores) covers every capability end to end once;

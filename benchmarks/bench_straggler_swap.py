@@ -22,6 +22,7 @@ after it, and of the baseline.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -65,6 +66,16 @@ def gaps(ends: dict[int, float], lo: int, hi: int) -> list[float]:
             if i in ends and i - 1 in ends]
 
 
+def median(xs: list[float]) -> float:
+    """The median, NaN for no data (a swap taken right after --slow-from, or too near
+    --iters to leave iterations after it): printed as "-", never a StatisticsError."""
+    return statistics.median(xs) if xs else math.nan
+
+
+def ms(x: float, width: int = 8) -> str:
+    return f"{'-':>{width}}" if math.isnan(x) else f"{1000 * x:{width}.1f}"
+
+
 def restart_of(events: list[dict], rank: int = 0) -> dict:
     return next(e for e in events if e["event"] == "inprocess_restart" and e["rank"] == rank)
 
@@ -98,10 +109,10 @@ def main() -> int:
             raise SystemExit("bench_straggler_swap: no swap happened (a loaded host: rerun)")
         k = swaps[0]["iteration"]
         crashed, h_crash = job([*common, "--inject-fault", f"1:{k}"], tmp)
-    per_it = statistics.median(gaps(iteration_ends(base), 2, a.iters))
+    per_it = median(gaps(iteration_ends(base), 2, a.iters))
     ends = iteration_ends(swapped)
-    slow = statistics.median(gaps(ends, a.slow_from + 1, k))
-    fast = statistics.median(gaps(ends, k + 2, a.iters))
+    slow = median(gaps(ends, a.slow_from + 1, k))
+    fast = median(gaps(ends, k + 2, a.iters))
     print(f"straggler swap vs crash, DP2 tiny model, rank 1 {a.factor:g}x slower from "
           f"iteration {a.slow_from}, swapped after iteration {k} (agreed at "
           f"{swaps[0]['agreed']}); baseline median iteration {1000 * per_it:.1f} ms")
@@ -114,20 +125,24 @@ def main() -> int:
               f"{r['wait_generation_s']:7.2f}s {r['rendezvous_s']:5.2f}s "
               f"{r['rejoin_s']:6.2f}s {redone:6d} {str(hist[0]['warm'][0]):>5}")
     tail = max(k + 2, a.iters - 10)  # the spare refilled by then (its imports share cores)
-    last = statistics.median(gaps(ends, tail, a.iters))
+    last = median(gaps(ends, tail, a.iters))
     crash_ends = iteration_ends(crashed)
-    crash_after = statistics.median(gaps(crash_ends, k + 2, a.iters))
-    base_last = statistics.median(gaps(iteration_ends(base), tail, a.iters))
+    crash_after = median(gaps(crash_ends, k + 2, a.iters))
+    base_last = median(gaps(iteration_ends(base), tail, a.iters))
     print(f"  median iteration, ms   {'before':>8} {'after':>8} {'last 10':>8}")
-    print(f"  swap job (slow rank)   {1000 * slow:8.1f} {1000 * fast:8.1f} {1000 * last:8.1f}")
-    print(f"  crash job              {'':>8} {1000 * crash_after:8.1f} "
-          f"{1000 * statistics.median(gaps(crash_ends, tail, a.iters)):8.1f}")
-    print(f"  baseline               {1000 * per_it:8.1f} {'':>8} {1000 * base_last:8.1f}")
+    print(f"  swap job (slow rank)   {ms(slow)} {ms(fast)} {ms(last)}")
+    print(f"  crash job              {'':>8} {ms(crash_after)} "
+          f"{ms(median(gaps(crash_ends, tail, a.iters)))}")
+    print(f"  baseline               {ms(per_it)} {'':>8} {ms(base_last)}")
     print(f"  (after a restart the supervisor starts a new warm spare: its imports share "
           f"this host's cores with the job for a while, in the crash job too)")
     saved = (slow - last) * (a.iters - k)
-    print(f"  the swap gave back {saved:.2f} s over the {a.iters - k} iterations left "
-          f"(its line estimated {swaps[0]['saved_s']:.2f} s)")
+    if math.isnan(saved):
+        print(f"  the swap's gain: not measurable (no iterations before it or after it; "
+              f"its line estimated {swaps[0]['saved_s']:.2f} s): a larger --iters")
+    else:
+        print(f"  the swap gave back {saved:.2f} s over the {a.iters - k} iterations left "
+              f"(its line estimated {swaps[0]['saved_s']:.2f} s)")
     return 0
 
 

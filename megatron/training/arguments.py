@@ -107,6 +107,13 @@ def _add_training_args(p):
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train-iters")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine",
                                                 "inverse-square-root", "WSD"], default="cosine")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, this run's --lr/--min-lr/--lr-warmup-iters/"
+                        "--lr-decay-iters/--lr-decay-style/--weight-decay/--train-iters "
+                        "replace the saved schedule's (refused without one of these two)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, keep the saved learning-rate schedule whatever those "
+                        "flags say")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -233,15 +240,35 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None, facts=None)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     validate_args(args, facts)
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler", "and --use-checkpoint-opt_param-scheduler "
+              "exclude each other (this run's schedule, or the saved one): give one")
     _check_paths(args)
     return args
 
 
-def format_args_table(args) -> str:
-    """Megatron's start-up table: one dotted line per argument."""
+def resolved_defaults(args) -> dict:
+    """What the run uses where a flag was left to its default (None): the shipped corpus
+    data.py trains on (the backend: the trainer passes the one initialize.py picked).
+    Shown in the table (as Megatron-LM's holds the values it set), not written back into
+    ``args``: the data path is part of a checkpoint's identity (checkpointing.py)."""
+    out = {}
+    per_split = any(getattr(args, f"{s}_data_path", None) for s in ("train", "valid", "test"))
+    if "data_path" in vars(args) and args.data_path is None and \
+            not getattr(args, "mock_data", False) and not per_split:
+        from megatron.training.dataset_files import DEFAULT_DATA_PREFIX
+
+        out["data_path"] = [DEFAULT_DATA_PREFIX]
+    return out
+
+
+def format_args_table(args, resolved: dict | None = None) -> str:
+    """Megatron's start-up table: one dotted line per argument, with the value the run
+    uses (:func:`resolved_defaults`, and ``resolved``: the caller's)."""
+    used = {**vars(args), **resolved_defaults(args), **(resolved or {})}
     lines = ["------------------------ arguments ------------------------"]
-    for key in sorted(vars(args)):
+    for key in sorted(used):
         dots = "." * max(2, 48 - len(key))
-        lines.append(f"  {key} {dots} {getattr(args, key)}")
+        lines.append(f"  {key} {dots} {used[key]}")
     lines.append("-------------------- end of arguments ---------------------")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training import checkpoint_shape, optimizer_state, save_space
+from megatron.training.checkpoint_errors import CheckpointError  # noqa: F401 - re-exported
 from megatron.training.checkpoint_integrity import INDEX, seal_checkpoint, verify_checkpoint
 from megatron.training.train_state import TrainingState
 from megatron.training.utils import print_rank_0
@@ -54,8 +55,6 @@ def run_identity(args) -> dict:
     return {k: getattr(args, k, None) for k in IDENTITY_FIELDS}
 
 
-class CheckpointError(RuntimeError):
-    """A missing, corrupt or incompatible checkpoint; the message names the path."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -317,6 +316,11 @@ class Checkpointer:
             raise CheckpointError(f"--load {root}: cannot read {path}/common.pt: "
                                   f"{type(exc).__name__}: {exc}") from exc
         self._check_layout(common.get("args", {}), path, finetune)
+        if load_optim and "opt_param_scheduler" in common:  # another schedule: refused
+            from megatron.training.scheduler_resume import check_resumed_schedule
+
+            check_resumed_schedule(state.scheduler, common["opt_param_scheduler"],
+                                   f"--load {path}")
         if not finetune:
             self._warn_other_run(common, path)
         saved_dp = common.get("args", {}).get("data_parallel_size", args.data_parallel_size)

@@ -40,6 +40,7 @@ from megatron.core.datasets.indexed_dataset import get_idx_path
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
 from megatron.training import dataset_cache
+from megatron.training.utils import print_rank_0
 from megatron.training.data_cache_dir import _file_lock, _held_dir, data_cache_path
 from megatron.training.dataset_files import (
     DEFAULT_DATA_PREFIX,
@@ -283,7 +284,16 @@ def build_train_valid_test_data_iterators(args, tokenizer, consumed_train_sample
     if args.global_batch_size % (args.micro_batch_size * data_parallel_size):
         raise ValueError("global_batch_size must be a multiple of micro_batch_size * dp size")
 
+    sizes = train_valid_test_num_samples(args)
+    if collective:  # Megatron-LM's lines (a rejoin builds nothing new: no lines)
+        print_rank_0("> building train, validation, and test datasets ...\n"
+                     " > datasets target sizes (minimum size):\n"
+                     f"    train:      {sizes[0]}\n    validation: {sizes[1]}\n"
+                     f"    test:       {sizes[2]}\n"
+                     "> building train, validation, and test datasets for GPT ...")
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(args, tokenizer, collective)
+    if collective:
+        print_rank_0("> finished creating GPT datasets ...")
     if getattr(args, "poison_train_samples", None) and train_ds is not None:
         from megatron.training.poisoned_samples import PoisonedSamples, parse_sample_ranges
 

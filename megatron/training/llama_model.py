@@ -172,7 +172,7 @@ def build_optimizer(args, model_chunks):
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
     """Megatron's scheduler, stepped in samples (increment = global batch size)."""
     gbs = args.global_batch_size
-    return OptimizerParamScheduler(
+    scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=args.lr,
@@ -186,7 +186,13 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
         wd_incr_style="constant",
         wsd_decay_steps=args.lr_decay_iters * gbs // 10 if args.lr_decay_style == "WSD" else None,
         lr_wsd_decay_style="linear" if args.lr_decay_style == "WSD" else None,
+        # Megatron-LM's flags; neither: a resume with another schedule is refused
+        # (scheduler_resume.py, before megatron-core's own assert)
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
+    scheduler.samples_per_iteration = gbs  # (its error names iterations, not samples)
+    return scheduler
 
 
 def num_parameters(model_chunks) -> int:

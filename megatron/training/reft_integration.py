@@ -29,6 +29,7 @@ from megatron.training.train_state import TrainingState
 from reft_ext.cluster import groups
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.load.rollback import RollbackConfig
+from reft_ext.report.events import reft_print
 from reft_ext.session import DisabledSession, ReftSession
 from reft_ext.testing import fault_observer, fault_specs
 
@@ -219,6 +220,18 @@ def trace_group(args):
         else None
 
 
+def bare_shards_line(protect: str) -> str:
+    """ZeRO-1 without AOR: each optimizer shard lives on one rank only, whatever the
+    scheme does for the parameters; said once at start, with its cost and its cure."""
+    redundancy = protect.split(",")[0]
+    cure = "aec,aor" if redundancy == "aec" else "arc,aor"
+    return (f"ZeRO-1 optimizer shards unprotected: --reft-protect {protect} keeps no copy of "
+            f"a rank's optimizer shard (--use-distributed-optimizer) on another node, so a "
+            f"lost node costs the persistent checkpoint (--load; from scratch without one); "
+            f"a crash still restores from host memory. --reft-protect {cure} covers them "
+            f"(a host replica of each shard on another node: docs/aor.md)")
+
+
 def open_session(args, state: TrainingState, faults=(), events=None, trace_group=None):
     """REFT's session for this rank (reft_ext/session.py): a DisabledSession when
     snapshots are off. ``faults``: the parsed ``--inject-fault`` specs; on a rank named
@@ -236,6 +249,9 @@ def open_session(args, state: TrainingState, faults=(), events=None, trace_group
     session = ReftSession(cfg, adapter, state, events=events, trace_group=trace_group,
                           rollback=RollbackConfig.from_args(args),
                           fused_load=not args.no_load_optim)
+    if adapter.rank == 0 and args.use_distributed_optimizer and not cfg.aor:
+        reft_print(bare_shards_line(cfg.protect), event="owned_unprotected",
+                   protect=cfg.protect)
     obs = fault_observer.observer() or fault_observer.install(faults, adapter.rank)
     if obs is not None:  # tests and demos: the REFT part of this rank's --inject-fault modes
         from reft_ext.testing.faults import ReftFaults

@@ -119,6 +119,12 @@ class TrainingState:
     def load_metadata(self, meta: dict) -> None:
         optimizer_state.ensure_state(self.optimizer)
         optimizer_state.set_optimizer_steps(self.optimizer, meta["adam_steps"])
+        from megatron.training.scheduler_resume import check_resumed_schedule
+
+        # a re-run whose flags changed the schedule: refused as for --load (before the
+        # RNG and counters; the caller's error stops the start)
+        check_resumed_schedule(self.scheduler, meta["scheduler"],
+                               "REFT's snapshot in host memory")
         # OptimizerParamScheduler.load_state_dict *advances* by the saved step count (it
         # expects a fresh scheduler), so rewind a live one first
         self.scheduler.num_steps = 0

@@ -68,7 +68,11 @@ class Trainer(TrainingLoop):
             print_rank_0(fallback)
         if fallbacks.muted_line():  # the library notes muted instead (fallbacks.py)
             print_rank_0(fallbacks.muted_line())
-        print_rank_0(format_args_table(args))
+        from megatron.training.initialize import distributed_backend
+
+        # the table shows what the run uses where a flag was left to its default
+        backend = distributed_backend(args.distributed_backend, torch.cuda.is_available())
+        print_rank_0(format_args_table(args, {"distributed_backend": backend}))
         self.timers = Timers(log_level=0, log_option="minmax")
         self.config = llama_model.transformer_config(args)
         # a replacement joining ranks that had trained: the state comes back from host

@@ -183,6 +183,8 @@ class TrainingLoop:
         generation, and this rank restarts in its own process (megatron/training/
         inprocess.py); an error of its own still ends the process."""
         failure, self._failure = self._failure, None
+        if failure is None and self._nothing_to_train():
+            return self.state
         while True:
             try:
                 if failure is not None:
@@ -195,11 +197,35 @@ class TrainingLoop:
                 failure = self._restartable(exc)
                 self.goodput.failed(planned)
 
+    def _nothing_to_train(self) -> bool:
+        """A re-run of a finished job (the state it loaded is at --train-iters already):
+        one line, the state saved if only host memory held it, REFT's session closed, and
+        none of a run's end (no summary, no goodput: nothing ran)."""
+        args, s = self.args, self.state
+        if s.iteration < args.train_iters:
+            return False
+        past = "at" if s.iteration == args.train_iters else f"past ({s.iteration})"
+        print_rank_0(f"already at --train-iters {args.train_iters}: the loaded state is "
+                     f"{past} it, nothing to train. To train on, raise --train-iters (the "
+                     f"learning-rate schedule was made for {args.train_iters}: add "
+                     f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler)")
+        if self.ckpt:
+            self._save_unless_saved()
+            self.ckpt.close()
+        torch.distributed.barrier()  # every rank done with host memory before it goes
+        self.reft.close()
+        if args.log_params_hash:
+            emit(f"[HASH] rank {torch.distributed.get_rank()} iteration {s.iteration} "
+                 f"state {params_hash(s)}")
+        self.logger.close()
+        return True
+
     def _train(self) -> TrainingState:
         args, s = self.args, self.state
         for hook in self.hooks:
             hook.on_start(s)
         self.goodput.training(s)
+        self.logger.reset()  # an in-process restart: the failed generation's interval ends
         first = self.restarts == 0  # the start-up split: once per process
         record("resume", iteration=s.iteration)  # every rank training again (downtime)
         trained = False
@@ -266,6 +292,7 @@ class TrainingLoop:
         from there, forget the losses that are redone, and never leave a persistent
         checkpoint from inside the spike as the newest one."""
         s = self.state
+        self.logger.reset()  # the redone iterations are counted again
         self.losses = {i: v for i, v in self.losses.items() if i <= s.iteration}
         self._build_data()
         if self.ckpt is not None and self.ckpt.latest is not None and \

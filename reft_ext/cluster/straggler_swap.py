@@ -139,7 +139,8 @@ def swap_text(node: int, ranks: list[int], info: dict | None, iteration: int,
               left: int) -> str:
     """The swap's line; ``info``: what the detector said of the node's rank (None where
     the rank that speaks did not see it named: another data-parallel group did)."""
-    text = (f"straggler swap: node {node} (rank(s) {ranks[0]}-{ranks[-1]}"
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+    text = (f"straggler swap: node {node} ({who}"
             + (f", {info['ratio']:.2f}x the other ranks' median" if info else "") +
             f") leaves after iteration {iteration}'s snapshot, committed on every rank; a "
             f"warm spare takes its place")

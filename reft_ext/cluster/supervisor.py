@@ -336,7 +336,10 @@ class Supervisor:
             where.append(w.wid)
             self._assign(w, r)
         self._publish()
-        again = bool(self.history) and self.history[-1].get("how") == how
+        # a failure that repeats (not a planned swap, nor one after a swap: a swap's
+        # generation ends alike every time, by design)
+        again = bool(self.history) and self.history[-1].get("how") == how and \
+            not swapped and not self.history[-1].get("planned")
         self.history.append(dict(generation=self.gen, reason=reason, dead=dead,
                                  warm=warm, workers=where, t_detect=t_detect,
                                  t_ready=t_ready, t_published=time.time(), how=how,

@@ -107,11 +107,15 @@ def import_flushed(store: SnapshotStore, flush_dir: str, nbytes: int) -> int | N
             os.unlink(store._path(name))
         except FileNotFoundError:
             pass
+    # where each slot's bytes came from, for REFT-load's checksum lines (repairs.py)
+    store.imported_from = {}
     for slot, man in flushed.items():
         dst = store.data(slot, nbytes)
-        with open(os.path.join(flush_dir, f"rank{store.rank}.slot{slot}.bin"), "rb") as f:
+        src = os.path.join(flush_dir, f"rank{store.rank}.slot{slot}.bin")
+        with open(src, "rb") as f:
             f.readinto(memoryview(dst.numpy()))
         store.finish(slot, man)
+        store.imported_from[slot] = f"{src} (flushed; imported into host memory)"
     # the commit pointer the node had (the watcher copies it) is the only proof that a
     # flushed slot was committed: without it none is (finished is not committed)
     pointer, why = _flushed_pointer(flush_dir, store.rank, flushed)

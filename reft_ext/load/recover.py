@@ -28,6 +28,7 @@ from reft_ext.load.errors import RecoveryError
 from reft_ext.load.fused import load_verified
 from reft_ext.load.inventory import take_inventory
 from reft_ext.load.received import Received, outgoing
+from reft_ext.load.repairs import repair_lines
 from reft_ext.load.planning import (GroupPlan, RecoveryPlan, needs_full_verify,
                                     other_world_size, owned_source, plan_recovery,
                                     recovery_tier)
@@ -189,7 +190,14 @@ def _agree(v: SnapshotView, manifests: dict, persistent: int | None,
     inventory + plan: (plan or the RecoveryError, every rank's inventory)."""
     fmt, facts = v.slot_format, v.facts
     early = preverify.take((v.store.dir, v.store.rank))  # begun at an in-process restart's abandon
-    verify = v.store.verify if early is None else early.verify(v.store.verify)
+    verify_region = v.store.verify if early is None else early.verify(v.store.verify)
+    failed = set()  # (slot, region) that failed its checksum: named after the plan
+
+    def verify(slot, m, region):
+        ok = verify_region(slot, m, region)
+        if not ok:
+            failed.add((slot, Region(region)))
+        return ok
     for verify_all in (False, True):
         mine = take_inventory(manifests, fmt, verify_all, verify,
                               lambda slot, m: _fuse(v, slot, m), fused, max_iteration)
@@ -202,7 +210,8 @@ def _agree(v: SnapshotView, manifests: dict, persistent: int | None,
         if not needs_full_verify(inventories, None if isinstance(plan, RecoveryError)
                                  else plan):
             break
-    return plan, inventories
+    failed.update((slot, Region(r)) for r, (slot, ok) in (fused or {}).items() if not ok)
+    return plan, inventories, failed
 
 
 @torch.no_grad()
@@ -257,7 +266,7 @@ def recover(s, persistent: int | None,
                    f"{why}", event="commit_pointers_differ", oldest=oldest, newest=newest,
                    chosen=committed)
     max_iteration = committed if max_iteration is None else min(max_iteration, committed)
-    plan, inventories = _agree(v, manifests, persistent, max_iteration, fused)
+    plan, inventories, failed = _agree(v, manifests, persistent, max_iteration, fused)
     t_verify = time.perf_counter()
     if isinstance(plan, RecoveryError):
         why = _other_world_size(v, manifests) or plan
@@ -269,8 +278,22 @@ def recover(s, persistent: int | None,
     fault_point("load-read", iteration=plan.iteration)
     if not _restore(v, plan, inventories, manifests, fused, c, (t0, t_verify)):
         return None
+    _report_repairs(v, plan, failed, manifests)
     s.recovered_from = plan.tier  # (the snapshotter keeps it for the trainer's summary)
     return plan.iteration
+
+
+def _report_repairs(v: SnapshotView, plan: RecoveryPlan, failed: set, manifests: dict):
+    """A [REFT] line per region of the restored slot that failed its checksum: the file
+    (a flushed one imported into memory is named as such) and what served it instead."""
+    if not failed:
+        return
+    imported = getattr(v.store, "imported_from", {})  # reft_ext/load/flushed.py
+    files = {slot: imported.get(slot) or v.store._path(v.store._name(slot, "bin"))
+             for slot in manifests}
+    for line in repair_lines(v.rank, plan.iteration, plan.groups[v.group_index], failed,
+                             manifests, files):
+        reft_print(line, event="checksum_repaired", rank=v.rank, iteration=plan.iteration)
 
 
 def _restore(v: SnapshotView, plan: RecoveryPlan, inventories: list, manifests: dict,

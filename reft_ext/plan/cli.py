@@ -192,6 +192,8 @@ def describe(plan: Plan) -> str:
     layout = (f"{p.world_size} x {hw.hardware}: TP {p.tp} x PP {p.pp} x DP {p.dp} on "
               f"{p.nodes} node(s) of {p.ranks_per_node}; ZeRO-1 {zero}; "
               f"{p.num_microbatches} micro-batches of {p.micro_batch_size}; {sched}")
+    if p.use_distributed_optimizer and not plan.snap.aor and plan.redundancy != "none":
+        place += " (ZeRO-1 optimizer shards unprotected: see Reliability)"
     reft = (f"--reft-protect {plan.snap.protect}, snapshot every "
             f"{plan.snap.snapshot_every} iteration(s); placement {place}")
     summary = (f"iteration {fmt_time(plan.t_iter)} (model FLOPs at MFU {hw.mfu:.0%}); "
@@ -274,7 +276,10 @@ def reliability_table(rel: JobReliability) -> str:
             f"c={d['weibull_shape']:g}; persistent checkpoint "
             f"{fmt_time(d['persistent_save_seconds'])}; protected failures per group: "
             f"{d['protected_failures']}; lost-work target {rel.cfg.lost_work_target:.1%}):")
-    return head + "\n\n" + table(["", "without REFT", "with REFT"], rows)
+    out = head + "\n\n" + table(["", "without REFT", "with REFT"], rows)
+    if d["unprotected_because"]:  # why "protected failures per group: 0"
+        out += f"\n\nProtected failures per group: 0 because {d['unprotected_because']}."
+    return out
 
 
 def cost_text(cost: dict) -> str:

@@ -219,6 +219,27 @@ def simulate_goodput(rate: float, q: float, snap_every: float, snap_cost: float,
 
 
 # ---- a planned job ----------------------------------------------------------------------
+def unprotected_reason(plan, disjoint: bool, group: int = 2) -> str | None:
+    """Why a lost node is not recoverable from host memory under this plan (the model's
+    0 protected failures per group), or None when one per group is."""
+    par, scheme = plan.par, plan.snap.protect
+    if plan.redundancy == "none":
+        return f"--reft-protect {scheme} keeps no copy of a rank's slice on another node"
+    if plan.placement_error is not None:
+        return f"no valid placement ({plan.placement_error})"
+    if par.use_distributed_optimizer and not plan.snap.aor:
+        return (f"the ZeRO-1 optimizer shards (--use-distributed-optimizer) have no copy "
+                f"on another node under --reft-protect {scheme}: a lost node's shards are "
+                f"gone, so every node loss falls back to the persistent checkpoint; "
+                f"--reft-protect {scheme},aor covers them")
+    if group <= 1:
+        return "each sharding group lives on one node: a node loss takes every copy"
+    if not disjoint:
+        return ("the sharding groups share nodes unevenly: one node loss can cost a group "
+                "two members")
+    return None
+
+
 class JobReliability:
     """The reliability model applied to a :class:`reft_ext.plan.planner.Plan`."""
 
@@ -232,9 +253,8 @@ class JobReliability:
         self.nodes, self.group = par.nodes, max(len(g) for g in groups)
         self.disjoint = self.group > 1 and all(len(g) == self.group for g in groups) and \
             sum(len(g) for g in groups) == len({n for g in groups for n in g})
-        covered = plan.redundancy != "none" and plan.placement_error is None and \
-            (not par.use_distributed_optimizer or plan.snap.aor)
-        self.k = 1 if covered and self.disjoint else 0
+        self.why_unprotected = unprotected_reason(plan, self.disjoint, self.group)
+        self.k = 0 if self.why_unprotected else 1
         self.rate = self.nodes / mtbf_hours(lam, c)            # failures per hour
         self.snap_interval = plan.snap.snapshot_every * plan.t_iter / HOUR
         self.load_mem = plan.load_node_lost if plan.load_node_lost is not None \
@@ -284,6 +304,7 @@ class JobReliability:
                 "mtbf_node_hours": self.cfg.mtbf_hours, "failures_per_day": 24 * self.rate,
                 "weibull_lambda": self.cfg.weibull_lambda, "weibull_shape": self.cfg.weibull_shape,
                 "window_hours": self.window, "unrecoverable_fraction": self.q,
+                "unprotected_because": self.why_unprotected,
                 "persistent_save_seconds": self.persist_seconds,
                 "persistent_interval_hours_for_target": self.interval_target,
                 "persistent_interval_hours": self.interval, "goodput": self.goodput,

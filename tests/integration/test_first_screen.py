@@ -3,7 +3,7 @@ warning line (megatron-core's and torch's known notes muted by their wording, na
 [REFT] line: megatron/training/fallbacks.py; nor does tools/preprocess_data.py --help),
 `make run-inprocess` shows the job's log as `make run` does, each line prefixed with its
 rank as torchrun prefixes it (tools/log_follow.py), and `make demo-nodes ARGS=...` hands
-ARGS to its failure-free run and moves the lost node into the shorter run.
+ARGS to its failure-free run (the demo's own) and moves the lost node into the shorter run.
 
 The recipes are the Makefile's own (``make -n``, then run with bash from the repository
 root as make runs them), shortened by ``ARGS`` and ``NPROC``; PYTHONWARNINGS is unset as in
@@ -50,10 +50,32 @@ def warning_lines(screen: str) -> list[str]:
 
 
 def test_make_run_first_screen_has_no_warning_line(tmp_path):
-    # DP 2 with ZeRO-1: megatron-core's reduce-scatter, all-gather and zero_grad (each
-    # a warning per rank before; REFT_SHOW_LIBRARY_NOTES=1 shows them again)
+    """DP 2 with ZeRO-1: megatron-core's reduce-scatter, all-gather and zero_grad (each
+    a warning per rank before; REFT_SHOW_LIBRARY_NOTES=1 shows them again). Under
+    --reft-protect arc (no aor) one [REFT] line says the optimizer shards are bare; the
+    argument table, the dataset lines and TensorBoard read as Megatron-LM's (issue 59)."""
     out = run_recipe("run", tmp_path, RUN_DIR=str(tmp_path / "run"), NPROC="2",
-                     ARGS=f"--pipeline-model-parallel-size 1 {SHORT}")
+                     ARGS=f"--pipeline-model-parallel-size 1 --reft-protect arc {SHORT}")
+    bare = [line for line in out.splitlines() if "ZeRO-1 optimizer shards unprotected" in line]
+    assert len(bare) == 1 and bare[0].startswith("[REFT] ") and \
+        "a lost node costs the persistent checkpoint" in bare[0] and \
+        "--reft-protect arc,aor covers them" in bare[0], bare or out[:4000]
+    # what the run uses: gloo on CPU, the shipped corpus
+    assert re.search(r"^  distributed_backend \.+ gloo$", out, re.M), out[:6000]
+    assert re.search(r"^  data_path \.+ \['\S+/data/pd_english_text_document'\]$", out, re.M)
+    assert ("> building train, validation, and test datasets ...\n"
+            " > datasets target sizes (minimum size):\n"
+            "    train:      64\n    validation: 64\n    test:       32\n"
+            "> building train, validation, and test datasets for GPT ...") in out, out[:8000]
+    from tests.integration.test_log_lines import tensorboard_scalars
+
+    tags = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    for name in ("lm loss", "learning-rate", "batch-size", "loss-scale", "grad-norm"):
+        assert [s for s, _ in tags[name]] == [1, 2], (name, sorted(tags))
+        assert [s for s, _ in tags[f"{name} vs samples"]] == [32, 64], name
+    for name in ("lm loss validation", "lm loss validation ppl"):
+        assert [s for s, _ in tags[f"{name} vs samples"]] == [64], (name, sorted(tags))
+    assert 0 < tags["iteration-time"][0][1] < 60  # seconds, as Megatron-LM writes it
     assert not warning_lines(out), "\n".join(warning_lines(out))
     muted = [line for line in out.splitlines() if line.startswith("[REFT] muted by their")]
     assert len(muted) == 1 and "reduce_scatter_tensor" in muted[0], out[:4000]
@@ -120,19 +142,17 @@ def test_log_follower_prints_each_ranks_new_lines_once_with_its_prefix(tmp_path)
 
 
 def test_make_demo_nodes_passes_args_to_its_baseline_and_moves_the_fault():
-    """`make demo-nodes ARGS="--train-iters 40"`: the failure-free run of the same ARGS
-    (its own directory, never the 300-iteration one) and the node lost at 5/6 of the run."""
-    short = recipe_lines("demo-nodes", ARGS="--train-iters 40")
-    base = next(line for line in short if line.startswith("test -f runs/nodes-"))
-    assert base.endswith('ARGS="--use-tp-pp-dp-mapping --reft-ranks-per-node 2 '
-                         '--train-iters 40"'), base
-    demo = " ".join(short[short.index(next(x for x in short if "tools/demo.py" in x)):])
-    assert "--inject-fault 2:33:KILL:node --train-iters 40" in demo, demo
-    nodes_dir = base.split()[2].rsplit("/", 1)[0]
-    assert f"--compare {nodes_dir}/train.log --compare-checkpoint {nodes_dir}/checkpoints" \
-        in demo, demo
+    """`make demo-nodes ARGS="--train-iters 40"`: the node lost at 5/6 of the run, and
+    the failure-free run the demo makes of the same flags (tools/demo.py: its own, one
+    per set of flags), never `make run`'s directory."""
+    short = " ".join(recipe_lines("demo-nodes", ARGS="--train-iters 40"))
+    assert "--inject-fault 2:33:KILL:node --train-iters 40" in short, short
+    assert "--reference-dir runs/demo-nodes-reference --" in short, short
+    assert "runs/default" not in short and "--compare" not in short, short
     full = " ".join(recipe_lines("demo-nodes"))
-    assert "test -f runs/nodes/train.log" in full and "2:250:KILL:node" in full, full
+    assert "2:250:KILL:node" in full, full
+    demo = " ".join(recipe_lines("demo"))
+    assert "--reference-dir runs/demo-reference --" in demo and "--compare" not in demo
 
 
 def recipe_lines(target: str, **make_vars: str) -> list[str]:

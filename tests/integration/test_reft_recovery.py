@@ -4,6 +4,7 @@ Every recovered run must end bit-identical (state hash per rank, every later los
 the same run without the failure, and the fault must really have fired."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -213,6 +214,13 @@ def test_flipped_byte_is_caught_and_replica_used(reference_runs):
                    ["--inject-fault", "1:5:KILL:corrupt"], max_restarts=1).check()
     assert "[FAULT] flipped a byte of rank 1's snapshot of iteration 4" in run.output
     assert_recovered(run.events, 4, {1: REPLICA})
+    # the failed checksum named with its file and what served the slice instead
+    assert re.search(r"^\[REFT\] rank 1: \S+/rank1\.slot\d\.bin failed its \S+ checksum in "
+                     r"its slice of the parameters and replicated optimizer state \(own "
+                     r"region, iteration 4\): rebuilt from the ARC replica on rank \d$",
+                     run.output, re.M), \
+        [x for x in run.output.splitlines() if "failed its" in x]
+    assert [e["rank"] for e in run.events_of("checksum_repaired", iteration=4)] == [1]
     same_as_reference(run, ref, 5)
 
 

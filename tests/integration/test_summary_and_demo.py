@@ -2,8 +2,12 @@
 deferred megatron-core jit_fuser, without torchrun (the end-to-end runs that print them
 are in test_reft_recovery.py and test_aor_recovery.py)."""
 
+import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from reft_ext.report import summary
 from reft_ext.load.recover import recovery_tier
@@ -74,24 +78,58 @@ LOG = """\
 [REFT] recovery: iteration 4 restored on 4 ranks from own memory in 16.7 ms
 [REFT] snapshot iteration 4: 1 bytes
 [REFT] snapshot iteration 5: 1 bytes
- [t] iteration       12/      12 | consumed samples: 1 | lm loss: 4.402466E+00 | grad norm: 2
+ [t] iteration        6/      12 | consumed samples: 1 | lm loss: 4.5E+00 (of iterations 5-6 only) | loss scale: 1.0 |
+ [t] iteration       12/      12 | consumed samples: 1 | lm loss: 4.402466E+00 | loss scale: 1.0 | grad norm: 2
+[HASH] rank 0 iteration 12 state ab
+[HASH] rank 1 iteration 12 state cd
+"""
+REF = """\
+ [t] iteration        6/      12 | consumed samples: 1 | lm loss: 4.6E+00 | loss scale: 1.0 |
+ [t] iteration       12/      12 | consumed samples: 1 | lm loss: 4.402466E+00 | loss scale: 1.0 |
 [HASH] rank 0 iteration 12 state ab
 [HASH] rank 1 iteration 12 state cd
 """
 
 
 def test_demo_digest_and_comparison(tmp_path):
+    """The loss of the iterations both runs logged over a whole interval is compared
+    (iteration 6's line after the restart averages 5-6 only: named, not compared), and
+    the hashes; the label names the failure-free run's directory."""
     lines = [(float(i), line) for i, line in enumerate(LOG.splitlines())]
     text = "\n".join(demo.digest(lines))
     assert "- crash: SIGKILL to rank 1 in iteration 5" in text
     assert "REFT-load: iteration 4 from own memory in 17 ms (lost work: 0" in text
     assert "training again 3.0 s after the fault (next iteration committed: 5)" in text
-    ref = tmp_path / "train.log"
-    ref.write_text(LOG)
-    assert "bit-identical" in "\n".join(demo.compare(lines, str(ref)))
-    ref.write_text(LOG.replace("state cd", "state ce"))
-    assert "DIFFERENT to the failure-free" in "\n".join(demo.compare(lines, str(ref)))
-    assert "run `make run` first" in "\n".join(demo.compare(lines, str(tmp_path / "none")))
+    ref = tmp_path / "reference" / "train.log"
+    ref.parent.mkdir()
+    ref.write_text(REF)
+    report, same = demo.compare(lines, str(ref))
+    assert same, report
+    assert report[0] == (f"- lm loss of the 1 logged iterations both runs averaged over a "
+                         f"whole interval: identical (iteration 12: this run 4.402466E+00, "
+                         f"failure-free run ({ref.parent}) 4.402466E+00)"), report
+    assert report[1] == ("  not compared: iteration 6 (this run's line averages iterations "
+                         "5-6 only, those since its restart)"), report
+    assert "bit-identical to the failure-free run" in report[2]
+    ref.write_text(REF.replace("state cd", "state ce"))
+    report, same = demo.compare(lines, str(ref))
+    assert not same and "DIFFERENT to the failure-free" in report[-1]
+    ref.write_text(REF.replace("4.402466E+00", "4.402467E+00"))
+    report, same = demo.compare(lines, str(ref))
+    assert not same and ": DIFFERENT (iteration 12" in report[0], report
+    assert not demo.compare(lines, str(tmp_path / "none"))[1]
+
+
+def test_demo_reference_is_its_own_per_set_of_flags():
+    """The failure-free run is the demo's own, keyed by the flags without the faults
+    (never `make run`'s directory, which a second `make run` rewrites)."""
+    a = demo.reference_dir("runs/demo-reference", 4, ["--train-iters", "40",
+                                                       "--inject-fault", "1:5"])
+    assert a == demo.reference_dir("runs/demo-reference", 4,
+                                   ["--train-iters", "40", "--inject-fault=2:7:KILL:node"])
+    assert a.startswith("runs/demo-reference-")
+    assert a != demo.reference_dir("runs/demo-reference", 4, ["--train-iters", "41"])
+    assert a != demo.reference_dir("runs/demo-reference", 2, ["--train-iters", "40"])
 
 
 def test_megatron_jit_fuser_is_compiled_on_first_call_only():
@@ -113,3 +151,40 @@ def test_megatron_jit_fuser_is_compiled_on_first_call_only():
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.slow  # three 2-rank jobs (the reference once, the demo twice)
+def test_demo_twice_in_a_row_reports_identical(tmp_path):
+    """tools/demo.py as `make demo` runs it, twice: the first makes its failure-free
+    reference (its own directory, keyed by the flags), the second reuses it; both report
+    the hashes, the loss of the iterations logged over a whole interval and the final
+    checkpoint identical. The crash in iteration 6 (restored: 5) leaves the line of
+    iteration 8 averaging 6-8 only: it says so and is not compared."""
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--train-iters", "8", "--lr-warmup-iters", "1", "--log-interval", "4",
+             "--eval-iters", "0", "--use-distributed-optimizer", "--log-params-hash",
+             "--reft-snapshot-every", "1", "--reft-protect", "arc,aor",
+             "--reft-ranks-per-node", "1", "--inject-fault", "1:6"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
+    cmd = [sys.executable, "tools/demo.py", "--run-dir", str(tmp_path / "demo"), "--nproc",
+           "2", "--reference-dir", str(tmp_path / "demo-reference"), "--", *flags]
+    outs = []
+    for _ in range(2):
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env=env)
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        outs.append(p.stdout)
+    ref = demo.reference_dir(str(tmp_path / "demo-reference"), 2, flags)
+    assert f"== failure-free reference: {ref} (once per set of flags) ==" in outs[0]
+    assert f"== failure-free reference: {ref} (made before with the same flags) ==" in outs[1]
+    for out in outs:
+        assert "- crash: SIGKILL to rank 1 in iteration 6" in out, out[-3000:]
+        assert re.search(r" iteration +8/ +8 \|.*lm loss: \S+ \(of iterations 6-8 only\) \|",
+                         out), out[-3000:]
+        assert (f"- lm loss of the 1 logged iterations both runs averaged over a whole "
+                f"interval: identical (iteration 4: ") in out, out[-3000:]
+        assert "not compared: iteration 8 (this run's line averages iterations 6-8 only" in out
+        assert f"bit-identical to the failure-free run ({ref})" in out
+        assert "- final checkpoint identical to the failure-free run's" in out

@@ -192,6 +192,40 @@ def test_load_corrupt_checkpoint_fails_clearly_and_touches_nothing(small_checkpo
     assert _digest(root) == before  # nothing written, nothing deleted
 
 
+def test_changed_schedule_on_resume_is_refused_without_the_scheduler_flags(small_checkpoint):
+    """--train-iters 4 on a checkpoint of a 3-iteration run changes the decay and
+    weight-decay horizons: refused before anything is read, naming the flags (Megatron-LM's
+    check); --use-checkpoint-opt_param-scheduler resumes with the saved schedule."""
+    out = _main(TINY + ["--train-iters", "4", "--load", small_checkpoint])
+    assert out.returncode != 0
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"error: --load {small_checkpoint}/iter_0000003: the learning-rate "
+                          f"schedule differs from the one it was saved with (--lr-decay-iters "
+                          f"(default --train-iters) 4 here, 3 there; --train-iters 4 here, 3 "
+                          f"there)"), err
+    assert "--override-opt_param-scheduler" in err and \
+        "--use-checkpoint-opt_param-scheduler" in err
+    assert "iteration        4/" not in out.stdout
+    ok = _main(TINY + ["--train-iters", "4", "--load", small_checkpoint,
+                       "--use-checkpoint-opt_param-scheduler"])
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "learning-rate schedule changed (--lr-decay-iters (default --train-iters) 4 " \
+           "here, 3 there; --train-iters 4 here, 3 there): the saved values are used " \
+           "(--use-checkpoint-opt_param-scheduler)" in ok.stdout
+    assert "iteration        4/" in ok.stdout
+
+
+def test_rerun_of_a_finished_job_says_so_and_trains_nothing(small_checkpoint):
+    """The same flags again on the finished checkpoint: one line, nothing trained, no
+    recovery counted, no goodput of a run that did not run."""
+    out = _main(TINY + ["--train-iters", "3", "--load", small_checkpoint])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "already at --train-iters 3: the loaded state is at it, nothing to train" \
+        in out.stdout, out.stdout[-3000:]
+    for absent in (" iteration        ", "recoveries:", "goodput"):
+        assert absent not in out.stdout, absent
+
+
 def test_load_with_other_layout_names_the_flag(small_checkpoint):
     out = _main(TINY[:1] + ["2"] + TINY[2:] + ["--train-iters", "4",
                                               "--load", small_checkpoint])

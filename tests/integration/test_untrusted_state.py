@@ -350,12 +350,14 @@ def test_loading_another_runs_checkpoint_warns_and_loads(tmp_path):
     save = str(tmp_path / "ckpt")
     first = torchrun(1, TINY + ["--train-iters", "3", "--save", save]).check()
     other = torchrun(1, TINY + ["--train-iters", "4", "--load", save, "--seed", "7",
-                                "--global-batch-size", "4"]).check()
+                                "--global-batch-size", "4",
+                                "--override-opt_param-scheduler"]).check()
     warned = other.events.one("identity_mismatch")
     assert (warned["path"], warned["run"], warned["differences"]) == \
         (f"{save}/iter_0000003", _run_id(first.output),
          ["global_batch_size 2 there, 4 here", "seed 1234 there, 7 here"]), warned
     assert f"loaded checkpoint {save}/iter_0000003 at iteration 3" in other.output
-    same = torchrun(1, TINY + ["--train-iters", "4", "--load", save]).check()
+    same = torchrun(1, TINY + ["--train-iters", "4", "--load", save,
+                               "--use-checkpoint-opt_param-scheduler"]).check()
     assert not same.events_of("identity_mismatch")
     assert f"loaded checkpoint {save}/iter_0000003 at iteration 3" in same.output

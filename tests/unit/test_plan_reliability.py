@@ -120,3 +120,22 @@ def test_planned_job_reliability_and_wall_clock():
                  "--pipeline-model-parallel-size", "8", "--data-parallel-size", "8",
                  "--hardware", "V100", "--fp16", "--reft-protect", "none"])
     assert none.reliability.k == 0 and none.reliability.q == 1.0
+
+
+def test_zero1_without_aor_says_why_no_failure_is_protected():
+    """ZeRO-1 under --reft-protect arc: the optimizer shards have no copy on another node,
+    so the model protects no failure; the planner says why, and how to cover them."""
+    args = ["--model-size", "llama2-34b", "--tensor-model-parallel-size", "8",
+            "--pipeline-model-parallel-size", "8", "--data-parallel-size", "8",
+            "--hardware", "V100", "--fp16", "--use-distributed-optimizer"]
+    bare = plan(args + ["--reft-protect", "arc"])
+    assert bare.reliability.k == 0 and bare.reliability.q == 1.0
+    text = bare.render()
+    assert "placement OK (ZeRO-1 optimizer shards unprotected: see Reliability)" in text
+    assert ("Protected failures per group: 0 because the ZeRO-1 optimizer shards "
+            "(--use-distributed-optimizer) have no copy on another node under --reft-protect "
+            "arc: a lost node's shards are gone, so every node loss falls back to the "
+            "persistent checkpoint; --reft-protect arc,aor covers them.") in text
+    covered = plan(args + ["--reft-protect", "arc,aor"])
+    assert covered.reliability.k == 1 and covered.reliability.why_unprotected is None
+    assert "Protected failures per group: 0" not in covered.render()

@@ -412,3 +412,31 @@ def test_reshard_plan():
     assert isinstance(e.value.skipped[4], MixedOldGroups)
     with pytest.raises(NoCommonIteration, match="^the survivors hold no common iteration"):
         plan_reshard([survivors[0], _offer(4, {2: "own"}, iters=(6,))], [[0, 1]], None)
+
+
+def test_each_checksum_failure_of_the_restored_slot_is_named_with_what_served_it():
+    """Rank 1's own slice of iteration 10 (imported from a flushed file) and its ZeRO-1
+    shard failed their checksums: the plan takes the slice from rank 0's ARC replica and
+    the shard from rank 0's AOR replica; one line each names the file and the tier. A
+    failure in an older slot (not restored) says nothing."""
+    from reft_ext.load.repairs import repair_lines
+
+    invs = [verified(aor_owner=1), verified(), verified()]
+    invs[1][10] = Held(1, {Region.OWN: False, Region.REDUNDANCY: True, Region.OWNED: False,
+                           Region.AOR: False}, None)
+    plan = plan_recovery(invs, JobFacts([[0, 1, 2]], "arc", owned_needed=True, aor=True),
+                         None)
+    g = plan.groups[0]
+    assert (plan.iteration, g.slices[1], g.owned_from[1]) == (10, REPLICA, 0)
+    manifests = {0: {"iteration": 8}, 1: {"iteration": 10, "checksum": "xxh3"}}
+    files = {0: "/dev/shm/j/rank1.slot0.bin", 1: "/f/rank1.slot1.bin (flushed; imported "
+             "into host memory)"}
+    lines = repair_lines(1, 10, g, {(1, Region.OWN), (1, Region.OWNED), (0, Region.OWN)},
+                         manifests, files)
+    assert lines == [
+        "rank 1: /f/rank1.slot1.bin (flushed; imported into host memory) failed its xxh3 "
+        "checksum in its slice of the parameters and replicated optimizer state (own "
+        "region, iteration 10): rebuilt from the ARC replica on rank 0",
+        "rank 1: /f/rank1.slot1.bin (flushed; imported into host memory) failed its xxh3 "
+        "checksum in its ZeRO-1 optimizer shard (owned region, iteration 10): restored "
+        "from the AOR replica on rank 0"]

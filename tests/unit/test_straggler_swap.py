@@ -6,6 +6,7 @@ is not slow, and the capacity the supervisor publishes (signed) in a real store.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from types import SimpleNamespace
 
@@ -140,10 +141,20 @@ def test_the_capacity_is_read_only_when_signed():
 def test_the_swap_line_with_and_without_the_detectors_figures():
     info = dict(ratio=3.0, cost_s=0.0656)
     full = swap.swap_text(1, [2, 3], info, 8, 16)
-    assert full.startswith("straggler swap: node 1 (rank(s) 2-3, 3.00x the other ranks' "
+    assert full.startswith("straggler swap: node 1 (ranks 2-3, 3.00x the other ranks' "
                            "median) leaves after iteration 8's snapshot")
     assert full.endswith("It cost the job 65.6 ms per iteration: 1.0 s over the 16 "
                          "iteration(s) left")
     bare = swap.swap_text(1, [2, 3], None, 8, 16)  # another group named the node
-    assert bare == ("straggler swap: node 1 (rank(s) 2-3) leaves after iteration 8's "
+    assert bare == ("straggler swap: node 1 (ranks 2-3) leaves after iteration 8's "
                     "snapshot, committed on every rank; a warm spare takes its place")
+    assert swap.swap_text(1, [1], None, 8, 16).startswith("straggler swap: node 1 (rank 1) ")
+
+
+def test_swap_benchmark_medians_of_no_data_print_a_dash():
+    """A swap taken right after --slow-from (or too near --iters) leaves no iteration to
+    take a median of: '-', not a StatisticsError."""
+    from benchmarks.bench_straggler_swap import gaps, median, ms
+
+    assert gaps({5: 1.0, 6: 1.5}, 6, 6) == [] and math.isnan(median([]))
+    assert ms(median([])) == "       -" and ms(median([0.25, 0.5])) == "   375.0"
