@@ -65,6 +65,20 @@ def checkpoint_dir_error(flag: str, path: str) -> str | None:
             f"with users you trust")
 
 
+def foreign_checkpoint_error(flag: str, *paths: str, trust: bool = False) -> str | None:
+    """The tools' check before they load a checkpoint (tools/convert_checkpoint.py,
+    tools/compare_checkpoints.py): :func:`checkpoint_dir_error` of each of ``paths`` (a
+    root and the ``iter_*`` directory in it that is read), as the trainer's --load; None
+    when all are this user's own or ``trust`` (--trust-shared-checkpoint-dir)."""
+    if trust:
+        return None
+    for path in paths:
+        why = checkpoint_dir_error(flag, path)
+        if why:
+            return f"{flag} {why}"
+    return None
+
+
 def _check_writable_dir(flag: str, path: str, what: str, _fail) -> None:
     """``path`` is a directory this process can create (or has) and write into. Probed
     with a temporary entry, removed at once: a refused start leaves nothing behind, and
