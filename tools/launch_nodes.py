@@ -52,18 +52,34 @@ from tools.launch_config import JobOutput, LaunchConfig, LaunchError  # noqa: E4
 # Outside that range only an explicit bind takes a port; an flock per port, held by the
 # process that picked it, keeps launchers (and their agents) off each other's picks.
 PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), f"reft-ports-{os.getuid()}")
+_fallback_lock_dir: str | None = None  # this process's private one, when the shared is not
+
+
 def _private_lock_dir(path: str):
     """The port locks' directory, in the shared temporary directory: opened from ``/`` one
     component at a time (reft_ext/safe_dir.py), made if missing, and only one of this
     user's (0700, not a link) is used: a planted or swapped one could point the locks
-    elsewhere. The locks are opened through the held descriptor."""
+    elsewhere. One that is not (another user made it first: a squatter) is not used, nor
+    does it stop the launch: this process's locks go to a private temporary directory
+    instead (said once); they then keep its own picks apart, not other launchers'. The
+    locks are opened through the held descriptor."""
+    global _fallback_lock_dir
     from reft_ext import safe_dir
 
-    try:
-        return safe_dir.open_dir(path, create=True)
-    except safe_dir.UnsafePathError as exc:
-        raise LaunchError(f"{path} is not a private directory of this user ({exc.reason}): "
-                          f"remove it, or set TMPDIR to a directory of your own") from None
+    if _fallback_lock_dir is None:
+        try:
+            return safe_dir.open_dir(path, create=True)
+        except (safe_dir.UnsafePathError, NotADirectoryError) as exc:
+            import atexit
+
+            _fallback_lock_dir = tempfile.mkdtemp(prefix=f"reft-ports-{os.getuid()}-")
+            atexit.register(shutil.rmtree, _fallback_lock_dir, True)
+            why = getattr(exc, "reason", "is not a directory")
+            print(f"[REFT] warning: the port-lock directory {path} {why}: not used; this "
+                  f"launcher's port locks are in {_fallback_lock_dir} instead (remove "
+                  f"{path}, or set TMPDIR to a directory of your own)", file=sys.stderr,
+                  flush=True)
+    return safe_dir.open_dir(_fallback_lock_dir)
 
 
 PORT_FLOOR = 10000                # below: well-known and registered services
