@@ -47,12 +47,14 @@ from reft_ext.testing import collectives
 from reft_ext.store.shm import ShmDirError, ShmSpaceError, ensure_private_dir
 
 
+__all__ = ["SessionAdapter", "LoopState", "Session", "DisabledSession", "ReftSession",
+           "SnapshotsUnavailable"]
+
+
 class SnapshotsUnavailable(RuntimeError):
     """A restart found too little shared memory for its snapshots (another process,
     perhaps another user's, filled it): the trainer goes on without snapshots, from its
     persistent checkpoint (megatron/training/reft_integration.py open_session)."""
-
-__all__ = ["SessionAdapter", "LoopState", "Session", "DisabledSession", "ReftSession"]
 
 
 class ReftSession(_Trace, SessionStartup, Session):
