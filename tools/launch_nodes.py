@@ -20,6 +20,7 @@ slot's shared-memory directory ``<shm>/reft-<job>-node<i>``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import fcntl
 import os
@@ -57,25 +58,19 @@ _fallback_lock_dir: str | None = None  # this process's private one, when the sh
 
 def _private_lock_dir(path: str):
     """The port locks' directory, in the shared temporary directory: opened from ``/`` one
-    component at a time (reft_ext/safe_dir.py), made if missing, and only one of this
-    user's (0700, not a link) is used: a planted or swapped one could point the locks
-    elsewhere. One that is not (another user made it first: a squatter) is not used, nor
-    does it stop the launch: this process's locks go to a private temporary directory
-    instead (said once); they then keep its own picks apart, not other launchers'. The
-    locks are opened through the held descriptor."""
+    component at a time (reft_ext/safe_dir.py), made if missing, used only if it is this
+    user's (0700, not a link). One that is not (a squatter's, a link) stops nothing: this
+    process's locks go to a private temporary directory (said once), where they keep its
+    own picks apart, not other launchers'. Locks are opened through the held descriptor."""
     global _fallback_lock_dir
-    from reft_ext import safe_dir
-
     if _fallback_lock_dir is None:
         try:
             return safe_dir.open_dir(path, create=True)
         except (safe_dir.UnsafePathError, NotADirectoryError) as exc:
-            import atexit
-
             _fallback_lock_dir = tempfile.mkdtemp(prefix=f"reft-ports-{os.getuid()}-")
             atexit.register(shutil.rmtree, _fallback_lock_dir, True)
-            why = getattr(exc, "reason", "is not a directory")
-            print(f"[REFT] warning: the port-lock directory {path} {why}: not used; this "
+            print(f"[REFT] warning: the port-lock directory {path} "
+                  f"{getattr(exc, 'reason', 'is not a directory')}: not used; this "
                   f"launcher's port locks are in {_fallback_lock_dir} instead (remove "
                   f"{path}, or set TMPDIR to a directory of your own)", file=sys.stderr,
                   flush=True)
