@@ -19,8 +19,6 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 from reft_ext.cluster import signed_store
 from reft_ext.cluster.rendezvous import ENV_SECRET
 from tests.integration.test_rendezvous_security import OTHER_UID, SETPRIV, as_other_user
