@@ -44,9 +44,17 @@ from reft_ext.session_startup import SessionStartup
 from reft_ext.sigterm_guard import SigtermGuard
 from reft_ext.store.paths import node_dir
 from reft_ext.testing import collectives
-from reft_ext.store.shm import ShmDirError, ensure_private_dir
+from reft_ext.store.shm import ShmDirError, ShmSpaceError, ensure_private_dir
 
-__all__ = ["SessionAdapter", "LoopState", "Session", "DisabledSession", "ReftSession"]
+
+__all__ = ["SessionAdapter", "LoopState", "Session", "DisabledSession", "ReftSession",
+           "SnapshotsUnavailable"]
+
+
+class SnapshotsUnavailable(RuntimeError):
+    """A restart found too little shared memory for its snapshots (another process,
+    perhaps another user's, filled it): the trainer goes on without snapshots, from its
+    persistent checkpoint (megatron/training/reft_integration.py open_session)."""
 
 
 class ReftSession(_Trace, SessionStartup, Session):
@@ -67,11 +75,15 @@ class ReftSession(_Trace, SessionStartup, Session):
         self._closed = False
         self._node_dir = node_dir(cfg.shm_dir, cfg.job_id, cfg.node_of(adapter.rank))
         self._start_files = self._check_shm_dir()
+        full = None
         try:
             self.snap = ReftSnapshotter(cfg, adapter, events)
+        except ShmSpaceError as exc:  # agreed job-wide below
+            full = str(exc)
         except BaseException:  # a placement or memory error: nothing of this start stays
             self.release_start()
             raise
+        self._check_space(full)
         self.heartbeat = None  # --reft-hang-timeout (reft_ext/cluster/heartbeat.py), on_start
         self.fused_load = fused_load
         self.rollback_cfg = rollback or RollbackConfig(rollback_on="off")
@@ -111,6 +123,27 @@ class ReftSession(_Trace, SessionStartup, Session):
         if why:
             raise ShmDirError(errno.EACCES, why)
         return mine
+
+    def _check_space(self, full: str | None) -> None:
+        """Too little shared memory for a rank's snapshots (its ShmSpaceError, ``full``):
+        at a first start the error stands (the footprint does not fit: the user's to
+        fix); at a restart (torchrun's or in-process, or snapshots of an earlier attempt
+        here), where /dev/shm may have been filled since, by another user too, every rank
+        turns snapshots off instead (SnapshotsUnavailable) and the job goes on from its
+        persistent checkpoint. Job-wide, in one all_gather every rank enters."""
+        a = self.adapter
+        restarted = bool(self._start_files) or any(
+            int(os.environ.get(v, "0") or 0) > 0
+            for v in ("TORCHELASTIC_RESTART_COUNT", "REFT_GENERATION"))
+        seen = [None] * a.world_size
+        torch.distributed.all_gather_object(seen, (full, restarted), group=a.control_group)
+        full = next((f for f, _ in seen if f), None)
+        if full is None:
+            return
+        self.release_start()  # this start's segments and threads, on every rank
+        if any(r for _, r in seen):
+            raise SnapshotsUnavailable(full)
+        raise ShmSpaceError(errno.ENOSPC, full)
 
     def release_start(self) -> None:
         """A start refused after the session opened (a placement error, a checkpoint of

@@ -17,7 +17,9 @@ run's own history in ``train_state.extra`` (run id, start time, REFT's counters 
 snapshots and recoveries), which differs between a run that failed and one that did not.
 
 Prints ``identical`` or a table of what differs (name, shape, max abs diff, first
-differing index); exits 1 on any difference, 2 when a checkpoint cannot be read.
+differing index); exits 1 on any difference, 2 when a checkpoint cannot be read or is
+refused: one another user can write (its metadata is a pickle) is refused before anything
+is loaded, as the trainer's --load refuses it, unless ``--trust-shared-checkpoint-dir``.
 ``--verify DIR`` checks a checkpoint's files against its checksums
 (``integrity.json``, megatron/training/checkpoint_integrity.py) without loading it; DIR
 may be a root, whose every ``iter_*`` is verified.
@@ -202,8 +204,27 @@ def table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def compare_paths(path_a: str, path_b: str, ignore=DEFAULT_IGNORE) -> tuple[list, dict]:
-    return compare(read(resolve(path_a)), read(resolve(path_b)), ignore)
+class CheckpointRefused(Exception):
+    """A checkpoint another user could have written (its metadata is a pickle)."""
+
+
+def compare_paths(path_a: str, path_b: str, ignore=DEFAULT_IGNORE,
+                  trust_shared_dir: bool = False) -> tuple[list, dict]:
+    """Both checkpoints checked as the trainer's --load checks them (not another user's,
+    not writable by others, no link: megatron/training/path_checks.py) before either is
+    read, unless ``trust_shared_dir`` (--trust-shared-checkpoint-dir)."""
+    from megatron.training.path_checks import foreign_checkpoint_error
+
+    for path in (path_a, path_b):
+        why = foreign_checkpoint_error("checkpoint", path, trust=trust_shared_dir)
+        if why:
+            raise CheckpointRefused(why)
+    a, b = resolve(path_a), resolve(path_b)
+    for path in (a, b):
+        why = foreign_checkpoint_error("checkpoint", path, trust=trust_shared_dir)
+        if why:
+            raise CheckpointRefused(why)
+    return compare(read(a), read(b), ignore)
 
 
 # ---- --verify ---------------------------------------------------------------------------
@@ -241,6 +262,10 @@ def main(argv=None) -> int:
     p.add_argument("--verify", metavar="DIR", help="check DIR's files against their checksums")
     p.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
                    help="names not to compare (fnmatch), in addition to the run's history")
+    p.add_argument("--trust-shared-checkpoint-dir", action="store_true",
+                   help="read checkpoints another user can write (the trainer's flag: a "
+                        "checkpoint's metadata is a pickle, loading it runs what it holds); "
+                        "without it such a directory is refused")
     p.add_argument("--compare-history", action="store_true",
                    help="compare train_state.extra's run id and REFT counters too")
     args = p.parse_args(argv)
@@ -250,9 +275,13 @@ def main(argv=None) -> int:
         p.error("give two checkpoints A B, or --verify DIR")
     ignore = tuple(args.ignore) + (() if args.compare_history else DEFAULT_IGNORE)
     try:
-        rows, counts = compare_paths(*args.checkpoints, ignore=ignore)
+        rows, counts = compare_paths(*args.checkpoints, ignore=ignore,
+                                     trust_shared_dir=args.trust_shared_checkpoint_dir)
     except SystemExit:
         raise
+    except CheckpointRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - a checkpoint that cannot be read: say which
         print(f"error: cannot read the checkpoints: {type(exc).__name__}: {exc}",
               file=sys.stderr)

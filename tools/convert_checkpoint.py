@@ -3,7 +3,9 @@
     python tools/convert_checkpoint.py --to hf --load CKPT --output HF_DIR [--verify]
     python tools/convert_checkpoint.py --to megatron --hf-model HF_DIR --save CKPT [--verify]
 
-``--to hf`` reads the newest verified checkpoint of ``--load`` (or ``--iteration N``),
+``--to hf`` reads the newest verified checkpoint of ``--load`` (or ``--iteration N``;
+a directory another user can write is refused as the trainer refuses it, unless
+``--trust-shared-checkpoint-dir``),
 saved at any TP/PP/VPP, with or without ZeRO-1 (only the model weights are read:
 megatron-core's dist_checkpointing reshards them into one process), and writes
 ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer the
@@ -40,6 +42,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--to", choices=["hf", "megatron"], required=True,
                    help="hf: torch_dist -> Hugging Face; megatron: Hugging Face -> torch_dist")
     p.add_argument("--load", help="--to hf: the checkpoint root (the trainer's --save)")
+    p.add_argument("--trust-shared-checkpoint-dir", action="store_true",
+                   help="--to hf: read a --load that another user can write (the trainer's "
+                        "flag: a checkpoint's metadata is a pickle, loading it runs what it "
+                        "holds); without it such a directory is refused")
     p.add_argument("--iteration", type=int, default=None,
                    help="--to hf: this iteration instead of the tracker's newest")
     p.add_argument("--output", help="--to hf: the Hugging Face directory to write")
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
     try:
         if a.to == "hf":
             info = hc.megatron_to_hf_dir(a.load, a.output, a.iteration, a.tokenizer_type,
-                                         a.tokenizer_model)
+                                         a.tokenizer_model, a.trust_shared_checkpoint_dir)
             print(f"[convert] {info['source']} -> {a.output}: {info['params']:,} parameters, "
                   f"{info['dtype']}, vocabulary {info['vocab']}, tokenizer {info['tokenizer']} "
                   f"[{time.perf_counter() - t0:.1f} s]", flush=True)

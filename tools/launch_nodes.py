@@ -20,6 +20,7 @@ slot's shared-memory directory ``<shm>/reft-<job>/node<i>``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import fcntl
 import os
@@ -52,18 +53,28 @@ from tools.launch_config import JobOutput, LaunchConfig, LaunchError  # noqa: E4
 # Outside that range only an explicit bind takes a port; an flock per port, held by the
 # process that picked it, keeps launchers (and their agents) off each other's picks.
 PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), f"reft-ports-{os.getuid()}")
+_fallback_lock_dir: str | None = None  # this process's private one, when the shared is not
+
+
 def _private_lock_dir(path: str):
     """The port locks' directory, in the shared temporary directory: opened from ``/`` one
-    component at a time (reft_ext/safe_dir.py), made if missing, and only one of this
-    user's (0700, not a link) is used: a planted or swapped one could point the locks
-    elsewhere. The locks are opened through the held descriptor."""
-    from reft_ext import safe_dir
-
-    try:
-        return safe_dir.open_dir(path, create=True)
-    except safe_dir.UnsafePathError as exc:
-        raise LaunchError(f"{path} is not a private directory of this user ({exc.reason}): "
-                          f"remove it, or set TMPDIR to a directory of your own") from None
+    component at a time (reft_ext/safe_dir.py), made if missing, used only if it is this
+    user's (0700, not a link). One that is not (a squatter's, a link) stops nothing: this
+    process's locks go to a private temporary directory (said once), where they keep its
+    own picks apart, not other launchers'. Locks are opened through the held descriptor."""
+    global _fallback_lock_dir
+    if _fallback_lock_dir is None:
+        try:
+            return safe_dir.open_dir(path, create=True)
+        except (safe_dir.UnsafePathError, NotADirectoryError) as exc:
+            _fallback_lock_dir = tempfile.mkdtemp(prefix=f"reft-ports-{os.getuid()}-")
+            atexit.register(shutil.rmtree, _fallback_lock_dir, True)
+            print(f"[REFT] warning: the port-lock directory {path} "
+                  f"{getattr(exc, 'reason', 'is not a directory')}: not used; this "
+                  f"launcher's port locks are in {_fallback_lock_dir} instead (remove "
+                  f"{path}, or set TMPDIR to a directory of your own)", file=sys.stderr,
+                  flush=True)
+    return safe_dir.open_dir(_fallback_lock_dir)
 
 
 PORT_FLOOR = 10000                # below: well-known and registered services

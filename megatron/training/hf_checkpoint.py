@@ -117,12 +117,23 @@ def _shape_from_common(common: dict) -> tuple[dict, dict]:
 
 def megatron_to_hf_dir(root: str, out: str, iteration: int | None = None,
                        tokenizer_type: str | None = None,
-                       tokenizer_model: str | None = None) -> dict:
+                       tokenizer_model: str | None = None,
+                       trust_shared_dir: bool = False) -> dict:
+    """``trust_shared_dir``: --trust-shared-checkpoint-dir (a checkpoint's metadata is a
+    pickle: one another user can write is refused, as the trainer's --load refuses it)."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
+    from megatron.training.path_checks import foreign_checkpoint_error
+
     _writable_dir("--output", out)  # before any work
+    why = foreign_checkpoint_error("--load", root, trust=trust_shared_dir)
+    if why:
+        raise ConversionError(why)
     path, it = _checkpoint_path(root, iteration)  # verified: never a torn or corrupted one
+    why = foreign_checkpoint_error("--load", path, trust=trust_shared_dir)
+    if why:  # an iter_ directory of this user's root that others can write
+        raise ConversionError(why)
     common = dist_checkpointing.load_common_state_dict(path)
     shape, saved = _shape_from_common(common)
     bf16 = bool(saved.get("bf16"))
@@ -298,7 +309,7 @@ def verify(model, hf_dir: str, shape: dict, padded_vocab: int, text_file: str | 
 
     hf_logging.disable_progress_bar()  # its "Loading weights" bar: one [convert] line instead
 
-    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, use_safetensors=True,
                                           attn_implementation="eager").eval()
     n = min(int(shape["max_position_embeddings"]), 256)
     tokens = _verify_tokens(hf_dir, text_file, hf.config.vocab_size, n)

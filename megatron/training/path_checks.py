@@ -28,6 +28,10 @@ def check_paths(args, _fail) -> None:
     why = data_cache_path_error(args.data_cache_path)  # megatron-core unpickles from it
     if why:
         _fail("--data-cache-path", why)
+    if getattr(args, "tensorboard_dir", None):  # event files written there by name
+        why = private_dir_error(args.tensorboard_dir)
+        if why:
+            _fail("--tensorboard-dir", why)
     for flag in ("--save", "--load"):  # a checkpoint is unpickled when it is loaded
         path = getattr(args, flag[2:], None)
         why = path and not getattr(args, "trust_shared_checkpoint_dir", False) and \
@@ -68,6 +72,47 @@ def checkpoint_dir_error(flag: str, path: str) -> str | None:
             f"that runs code as you when it is loaded; use a directory only you can write "
             f"(chmod 700), or add --trust-shared-checkpoint-dir if it is shared on purpose "
             f"with users you trust")
+
+
+def private_dir_error(path: str) -> str | None:
+    """Why ``path`` cannot be a private directory of this user's (as the launchers'
+    --log-dir): one that is a link, another user's, writable by group or others, or below
+    a directory another user could swap; for one not made yet, the directory it will be
+    made in. None when it can (:func:`open_private_dir` makes and holds it)."""
+    from reft_ext import safe_dir
+
+    target = base = os.path.abspath(path)
+    while not os.path.lexists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    why = safe_dir.problem(base, kind=safe_dir.PRIVATE if base == target else safe_dir.PARENT)
+    if why is None or why == "does not exist":
+        return None
+    where = path if base == target else f"{path} (to be made in {base})"
+    return (f"{where} {why}: files are written there by name, so another user who can "
+            f"write or swap it could read or replace them; give a directory only you can "
+            f"write (chmod 700), or a new one (made 0700)")
+
+
+def open_private_dir(path: str):
+    """``path`` made (0700) or opened as a private directory of this user's, held open
+    (reft_ext/safe_dir.py: write through its ``proc_path``)."""
+    from reft_ext import safe_dir
+
+    return safe_dir.open_dir(path, create=True)
+
+
+def foreign_checkpoint_error(flag: str, *paths: str, trust: bool = False) -> str | None:
+    """The tools' check before they load a checkpoint (tools/convert_checkpoint.py,
+    tools/compare_checkpoints.py): :func:`checkpoint_dir_error` of each of ``paths`` (a
+    root and the ``iter_*`` directory in it that is read), as the trainer's --load; None
+    when all are this user's own or ``trust`` (--trust-shared-checkpoint-dir)."""
+    if trust:
+        return None
+    for path in paths:
+        why = checkpoint_dir_error(flag, path)
+        if why:
+            return f"{flag} {why}"
+    return None
 
 
 def _check_writable_dir(flag: str, path: str, what: str, _fail) -> None:

@@ -30,7 +30,7 @@ from reft_ext.cluster import groups
 from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.load.rollback import RollbackConfig
 from reft_ext.report.events import reft_print
-from reft_ext.session import DisabledSession, ReftSession
+from reft_ext.session import DisabledSession, ReftSession, SnapshotsUnavailable
 from reft_ext.testing import fault_observer, fault_specs
 
 
@@ -246,9 +246,17 @@ def open_session(args, state: TrainingState, faults=(), events=None, trace_group
     optimizer_state.ensure_state(state.optimizer)
     optimizer_state.FirstStepCheck(state.optimizer, [t for _, t in state.state_tensors()])
     adapter = MegatronStateAdapter(state, args)
-    session = ReftSession(cfg, adapter, state, events=events, trace_group=trace_group,
-                          rollback=RollbackConfig.from_args(args),
-                          fused_load=not args.no_load_optim)
+    try:
+        session = ReftSession(cfg, adapter, state, events=events, trace_group=trace_group,
+                              rollback=RollbackConfig.from_args(args),
+                              fused_load=not args.no_load_optim)
+    except SnapshotsUnavailable as exc:  # a restart into a full /dev/shm: go on without
+        if adapter.rank == 0:
+            reft_print(f"snapshots off for this attempt: {exc} (at a restart: the job goes "
+                       f"on from its persistent checkpoint, --save/--load; free the space, "
+                       f"or see docs/security.md, to have them again at the next start)",
+                       event="snapshots_off", reason="shm-full")
+        return DisabledSession(cfg.trace_file, events, trace_group)
     if adapter.rank == 0 and args.use_distributed_optimizer and not cfg.aor:
         reft_print(bare_shards_line(cfg.protect), event="owned_unprotected",
                    protect=cfg.protect)

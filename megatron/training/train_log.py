@@ -29,7 +29,12 @@ class TrainLogger:
             except ImportError as exc:
                 raise RuntimeError("--tensorboard-dir needs the tensorboard package: "
                                    "pip install tensorboard") from exc
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+            from megatron.training.path_checks import open_private_dir
+
+            # checked at start (path_checks.py); the writer names its files in the held
+            # directory, never through a path another user could swap since
+            self.tb_dir = open_private_dir(args.tensorboard_dir)
+            self.writer = SummaryWriter(log_dir=self.tb_dir.proc_path, max_queue=1000)
 
     def reset(self) -> None:
         """A new interval: at start, after a restart or a rollback the iterations still

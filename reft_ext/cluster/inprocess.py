@@ -136,17 +136,23 @@ def sign(secret: bytes, k: str, value: str, gen: int) -> str:
     return json.dumps({"g": int(gen), "v": value, "t": _tag(secret, k, gen, value)})
 
 
-_warned: set[str] = set()
+_warned: set[tuple[str, bool]] = set()  # (key, forged rather than replayed)
 
 
-def forged(k: str) -> None:
-    """Say once per key that a value without a valid tag was ignored."""
-    if k in _warned:
+def forged(k: str, other_gen: int | None = None, gen: int | None = None) -> None:
+    """Say once per key that a value without a valid tag (``other_gen`` None), or one
+    signed for another generation than ``gen`` (a replay), was ignored."""
+    if (k, other_gen is None) in _warned:
         return
-    _warned.add(k)
+    _warned.add((k, other_gen is None))
     from reft_ext.report.events import emit
 
-    emit("store_forged", f"warning: unsigned/forged store value for {k} ignored", key=k)
+    if other_gen is None:
+        emit("store_forged", f"warning: unsigned/forged store value for {k} ignored", key=k)
+    else:
+        emit("store_replayed", f"warning: store value for {k} from another round "
+             f"(generation {other_gen}, this is {gen}: replayed) ignored", key=k,
+             round=other_gen)
 
 
 def verify(secret: bytes, k: str, raw, gen: int | None = None) -> str | None:
@@ -161,12 +167,14 @@ def verify(secret: bytes, k: str, raw, gen: int | None = None) -> str | None:
         d = json.loads(raw)
         g, value, tag = d["g"], d["v"], d["t"]
         ok = (type(g) is int and isinstance(value, str) and isinstance(tag, str)
-              and hmac.compare_digest(tag.encode(), _tag(secret, k, g, value).encode())
-              and (gen is None or g == gen))
+              and hmac.compare_digest(tag.encode(), _tag(secret, k, g, value).encode()))
     except (ValueError, TypeError, KeyError, AttributeError):
         ok = False
     if not ok:
         forged(k)
+        return None
+    if gen is not None and g != gen:
+        forged(k, g, gen)
         return None
     return value
 
@@ -239,7 +247,9 @@ class Generation:
 
         prefix = key(f"g{self.gen}", "pg")
         store = _connect(timeout.total_seconds())
-        return SignedStore(torch.distributed.PrefixStore(prefix, store), self.secret, prefix)
+        # bound to the generation: one copied from an older one's keys is said as a replay
+        return SignedStore(torch.distributed.PrefixStore(prefix, store), self.secret,
+                           key("pg"), round_id=f"generation {self.gen}")
 
     def watch(self) -> None:
         """Start the abort watcher for the current generation."""

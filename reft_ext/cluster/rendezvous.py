@@ -47,6 +47,7 @@ from reft_ext.cluster.signed_store import SignedStore, env_secret, seal, unseal
 
 BACKEND = "reft"
 ENV_SECRET = "REFT_RDZV_SECRET"   # hex of the job's 32-byte key (environment only)
+ENV_ROUND = "REFT_RDZV_ROUND"     # the rendezvous round the agent's workers belong to
 _DYN = dyn.__name__
 # what a rendezvous state pickles to (torch 2.13): the state, node descriptors, times;
 # sets and dicts are opcodes of their own
@@ -131,6 +132,7 @@ class ReftRendezvousHandler(dyn.DynamicRendezvousHandler):
     values (MASTER_ADDR/PORT, the agents' ranks) signed."""
 
     _secret: bytes = b""
+    _round: int | None = None  # the round _get_store was made for
 
     def _create_tcp_store_server(self, master_addr, master_port):
         from reft_ext.cluster.supervisor import listen
@@ -138,9 +140,18 @@ class ReftRendezvousHandler(dyn.DynamicRendezvousHandler):
         return listen(master_addr, master_port, multi_tenant=True, wait_for_workers=False)
 
     def _get_store(self):
+        # the round's values are bound to it (a replay of an older round's is said as one)
+        self._round = self._state_holder.state.round
         return SignedStore(super()._get_store(), self._secret,
-                           f"torch.rendezvous.{self._settings.run_id}."
-                           f"{self._state_holder.state.round}")
+                           f"torch.rendezvous.{self._settings.run_id}",
+                           round_id=f"round {self._round}")
+
+    def next_rendezvous(self):
+        """torch's, then the round in this agent's environment: the workers it starts
+        inherit it and bind their store's values to it (:func:`worker_store_kwargs`)."""
+        info = super().next_rendezvous()
+        os.environ[ENV_ROUND] = str(self._round)
+        return info
 
 
 # ---- the endpoint's store and the handler ---------------------------------------------
@@ -230,8 +241,19 @@ def worker_store_kwargs(timeout: datetime.timedelta) -> dict:
     scope = f"reft/attempt_{attempt}" if shared else "reft/workers"
     store = torch.distributed.PrefixStore(scope, store)
     if secret is not None:
-        store = SignedStore(store, secret, f"{env['TORCHELASTIC_RUN_ID']}/{scope}")
+        store = SignedStore(store, secret, f"{env['TORCHELASTIC_RUN_ID']}/{scope}",
+                            round_id=worker_round())
     return dict(store=store, rank=rank, world_size=world)
+
+
+def worker_round() -> str:
+    """What the workers' store values are bound to: the agents' rendezvous round (the
+    ``reft`` handler's, in the environment) and the round's master address and port
+    (signed in that round's store), the same on every rank of a round and new in the next:
+    a value another client copied from an older round's store into this one's (the store
+    has no login) is refused as one from another round."""
+    env = os.environ
+    return f"round {env.get(ENV_ROUND, '?')} {env['MASTER_ADDR']}:{env['MASTER_PORT']}"
 
 
 def launch_warning() -> str | None:

@@ -40,6 +40,55 @@ def test_seal_binds_the_secret_the_scope_and_the_key():
     assert unseal(SECRET, "reft/ip/g1/pg", "0/1", b"addr") is None
 
 
+def test_seal_binds_the_round_and_says_a_replay_from_another_round_once(capsys):
+    """A value sealed in one round (the torchrun workers' store: the rendezvous round and
+    its master address; the in-process generation) does not verify in another, and a
+    store reading one says it is from another round, once per key."""
+    v = seal(SECRET, "job/reft/workers", "0/1", b"addr", "round 1 127.0.0.1:10001")
+    assert unseal(SECRET, "job/reft/workers", "0/1", v, "round 1 127.0.0.1:10001") == b"addr"
+    for other in ("round 2 127.0.0.1:10001", "round 1 127.0.0.1:10002", ""):
+        assert unseal(SECRET, "job/reft/workers", "0/1", v, other) is None
+    # the round in clear cannot be rewritten: the tag covers it
+    forged_round = v.replace(b"round 1", b"round 2")
+    assert signed_store.opened(SECRET, "job/reft/workers", "0/1", forged_round) is None
+    assert signed_store.opened(SECRET, "job/reft/workers", "0/1", v) == \
+        ("round 1 127.0.0.1:10001", b"addr")
+
+    inner = listen("127.0.0.1", 0, multi_tenant=True, wait_for_workers=False,
+                   timeout=datetime.timedelta(seconds=1))
+    store = SignedStore(inner, SECRET, "job/reft/workers", round_id="round 2 127.0.0.1:10003")
+    inner.set("0/1", v)  # round 1's genuine value, replayed into round 2's store
+    t = threading.Timer(0.3, store.set, ("0/1", b"round 2 addr"))
+    t.start()
+    assert store.get("0/1") == b"round 2 addr"
+    t.join()
+    inner.set("0/1", v)
+    with pytest.raises(ForgedValueError, match="not signed with the job's secret for this"):
+        store.get("0/1")
+    said = capsys.readouterr().out
+    assert said.count("store value for job/reft/workers/0/1 is from another round "
+                      "(round 1 127.0.0.1:10001; this is round 2 127.0.0.1:10003") == 1, said
+    assert "is not signed" not in said, said
+    assert store.clone().round_id == store.round_id
+
+
+def test_the_in_process_values_of_another_generation_are_said_as_a_replay(capsys):
+    """The supervisor's per-generation values (JSON, signed with their generation) and the
+    process groups' (bound to ``generation <g>``): one of generation 1 read in 2 is
+    ignored and said as a replay, once."""
+    inprocess._warned.discard(("reft/ip/assign/7", False))
+    k = inprocess.key("assign", 7)
+    old = inprocess.sign(SECRET, k, '{"rank": 0, "gen": 1}', 1)
+    assert inprocess.verify(SECRET, k, old, 2) is None
+    assert inprocess.verify(SECRET, k, old, 2) is None
+    said = capsys.readouterr().out
+    assert said.count(f"store value for {k} from another round (generation 1, this is 2") \
+        == 1, said
+    assert "unsigned/forged" not in said, said
+    pg = seal(SECRET, inprocess.key("pg"), "0//cpu//0/1", b"addr", "generation 1")
+    assert unseal(SECRET, inprocess.key("pg"), "0//cpu//0/1", pg, "generation 2") is None
+
+
 def test_a_forged_value_is_ignored_until_the_jobs_own_arrives_or_the_timeout(capsys):
     inner = listen("127.0.0.1", 0, multi_tenant=True, wait_for_workers=False,
                    timeout=datetime.timedelta(seconds=1))
@@ -137,6 +186,6 @@ def test_forged_pg_keys_of_another_user_are_ignored_by_the_in_process_ranks():
     assert results == [(r, "SignedStore", [{"rank": 0}, {"rank": 1}]) for r in range(2)], \
         results
     for k in keys:  # the ranks' own, sealed values stand in the store now
-        assert unseal(SECRET, inprocess.key("g0", "pg"), k.split("/pg/", 1)[1],
-                      store.get(k)) is not None
+        assert unseal(SECRET, inprocess.key("pg"), k.split("/pg/", 1)[1],
+                      store.get(k), "generation 0") is not None
     assert signed_store  # the module under test
