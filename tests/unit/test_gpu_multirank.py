@@ -154,6 +154,27 @@ def _staging(rank: int, store: str, out: str) -> None:
         results["coalesced"] = [out_t.tolist(), results["reduce_scatter_tensor"][0][0]]
         results["handle_done"] = handle.is_completed()
         results["staged_calls"] = len(calls)
+        # sequence parallelism's mappings call megatron-core's own aliases
+        # (tensor_parallel.mappings.dist_*_func): staged once install() swapped them
+        from megatron.core.tensor_parallel import mappings
+        from megatron.training import cpu_compat
+
+        cpu_compat.apply()  # (mappings allocate on torch.cuda.current_device())
+        group = dist.group.WORLD
+        sp = []
+        for stage in (False, True):
+            if stage:
+                gloo_device.install(predicate=lambda t: isinstance(t, torch.Tensor))
+            before = sum(gloo_device.staged_calls.values())
+            try:
+                x = gen(8).reshape(4, 2)
+                sp.append([mappings._reduce_scatter_along_first_dim(x, group).tolist(),
+                           mappings._gather_along_first_dim(x, group).tolist(),
+                           mappings._reduce(x.clone(), group).tolist(),
+                           sum(gloo_device.staged_calls.values()) - before])
+            finally:
+                gloo_device.uninstall()
+        results["sp"] = sp
         with open(f"{out}.{rank}", "w") as f:
             json.dump(results, f)
     finally:
@@ -171,3 +192,7 @@ def test_staged_collectives_give_the_native_results_on_two_gloo_ranks(tmp_path):
             assert native == staged, (rank, name)
         assert res["coalesced"][0] == res["coalesced"][1] and res["handle_done"]
         assert res["staged_calls"] > 0  # the staging path really ran
+        plain, staged = res["sp"]
+        assert plain[:3] == staged[:3] and plain[3] == 0 and staged[3] == 3, res["sp"]
+        if rank == 0:  # its rows summed over both ranks, not its own
+            assert staged[0] == [[10.0, 12.0], [14.0, 16.0]], staged[0]
