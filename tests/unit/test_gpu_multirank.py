@@ -196,3 +196,16 @@ def test_staged_collectives_give_the_native_results_on_two_gloo_ranks(tmp_path):
         assert plain[:3] == staged[:3] and plain[3] == 0 and staged[3] == 3, res["sp"]
         if rank == 0:  # its rows summed over both ranks, not its own
             assert staged[0] == [[10.0, 12.0], [14.0, 16.0]], staged[0]
+
+
+def test_staging_check_against_plain_gloo_on_host(tmp_path):
+    """gpu_multirank.py --staging-check (the lease's reference that shares no staging):
+    on this host its twin stages host tensors; every collective, ZeRO-1's reduce-scatter
+    into a view of its own input among them, equals plain gloo on both ranks."""
+    r = subprocess.run([sys.executable, SCRIPT, "--staging-check", "--device", "cpu",
+                        "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=240, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[multirank] staging")]
+    assert len(lines) == 10 and all("identical to plain gloo on host" in ln for ln in lines)
+    assert sum("ZeRO-1" in ln for ln in lines) == 2
