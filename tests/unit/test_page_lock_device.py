@@ -73,14 +73,15 @@ def cuda(monkeypatch):
     return c
 
 
-def test_the_page_locking_thread_sets_the_ranks_device_and_the_guard_none(shm_store, cuda):
+# (cuda before shm_store: the store is closed, its slots unlocked, with the stand-ins)
+def test_the_page_locking_thread_sets_the_ranks_device_and_the_guard_none(cuda, shm_store):
     store = shm_store
     store.pin_slots = True
     cuda.set_device(RANK_DEVICE)  # the training thread's, as initialize.py sets it
     store.reserve(1 << 20, {"aor": 4096}, background=True)
     store.release_slots()
     store.begin(1 << 20)  # waits for its slot
-    store.close()  # (unlocked while the stand-ins are in place)
+    store.close()
     regs = [c for c in cuda.calls if c[0] == "register"]
     assert len(regs) == len(store.slots), cuda.calls  # every slot locked, on the thread
     assert all(t == "reft-shm-reserve" and cur == RANK_DEVICE and arg == -1
@@ -91,7 +92,7 @@ def test_the_page_locking_thread_sets_the_ranks_device_and_the_guard_none(shm_st
     assert not [c for c in cuda.calls if c[0] == "set_device" and c[3] == 0], cuda.calls
 
 
-def test_a_segment_locked_for_another_device_leaves_the_thread_as_it_was(shm_store, cuda):
+def test_a_segment_locked_for_another_device_leaves_the_thread_as_it_was(cuda, shm_store):
     """pin(device) on a thread whose device has no context: the registration runs with
     ``device`` current, and the guard does not switch back to the context-less one."""
     seg = shm_mod.ShmSegment.create(shm_store.job, "probe.bin", 8192,
