@@ -7,11 +7,11 @@ import, first on PYTHONPATH."""
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.harness.compare import same_as_reference
 from tests.harness.recovery import N, OWN, assert_recovered, reft
@@ -41,6 +41,7 @@ def test_default_without_xxhash_is_crc32_and_the_native_pipeline_steps_aside(tmp
             r.stderr
 
 
+@pytest.mark.slow  # a 2-rank job with a crash (~1 min on this host)
 def test_crash_recovers_without_xxhash(tmp_path, reference_runs):
     ref = reference_runs("dp2", 2, TINY + N + DP2)
     run = torchrun(2, TINY + N + DP2 + reft("arc") + ["--inject-fault", "1:3"],

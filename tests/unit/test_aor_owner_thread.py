@@ -11,6 +11,7 @@ import json
 import statistics
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -76,6 +77,7 @@ def test_a_replay_slower_than_an_iteration_leaves_the_owners_hook_time(tmp_path,
     assert not ev.of("aor_holder_behind")
 
 
+@pytest.mark.slow  # two ranks, seven steps with a sleep (~40 s on this host)
 def test_a_holder_a_whole_step_behind_is_waited_for_and_said_once(tmp_path, events):
     slow_s = 3.5 * STEP_S
     (r0, r1), ev = _run(tmp_path, slow_s, events)
