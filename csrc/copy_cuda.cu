@@ -73,25 +73,12 @@ void event_destroy(uintptr_t event) {
   REFT_CUDA_CHECK(cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)));
 }
 
-namespace {
-// Makes `device` current for a scope and restores the caller's device after.
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    if (device < 0) return;
-    REFT_CUDA_CHECK(cudaGetDevice(&prev));
-    if (prev != device) REFT_CUDA_CHECK(cudaSetDevice(device));
-    else prev = -1;
-  }
-  ~DeviceGuard() {
-    if (prev >= 0) (void)cudaSetDevice(prev);
-  }
-};
-}  // namespace
-
 void host_register(void* ptr, size_t n, int device) {
-  // the rank's device current: the registration's context is made there, not on GPU 0
-  DeviceGuard guard(device);
+  // the rank's device current: the registration's context is made there, not on GPU 0.
+  // Set, never restored: restoring a thread's "previous" device (0 on a thread that never
+  // set one) would make a primary context there (cudaSetDevice does since CUDA 12). The
+  // callers are threads of ours whose device is the rank's (docs/gpu.md).
+  if (device >= 0) set_device(device);
   // Portable: every device in the process sees the range as pinned.
   REFT_CUDA_CHECK(cudaHostRegister(ptr, n, cudaHostRegisterPortable));
 }
@@ -121,8 +108,7 @@ uintptr_t record_new_event(uintptr_t stream) {
   return reinterpret_cast<uintptr_t>(ev);
 }
 
-void set_device_guarded_sync(int device, uintptr_t stream) {
-  DeviceGuard guard(device);
+void stream_synchronize(uintptr_t stream) {
   REFT_CUDA_CHECK(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
 }
 

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include "copy_engine.h"
@@ -77,6 +78,10 @@ struct Run {
   std::condition_variable cv;
   std::string error;
   std::atomic<int64_t> wait_ns{0};
+  // workers started / finished, and whether the caller has started all it will (under
+  // mu): the issuer waits for every worker before it cleans up on its own thread
+  int started = 0, finished = 0;
+  bool all_started = false;
 
   Run(const std::vector<HashUnit>& u, const PipelineOptions& o)
       : units(u), opt(o), digests(u.size(), 0), events(u.size(), 0) {}
@@ -97,7 +102,12 @@ bool has_device(const HashUnit& u) {
 
 #ifdef REFT_WITH_CUDA
 // Queues every unit's device copies in unit order (the DMA engine never idles between
-// them), an event after each unit's; the workers follow the events.
+// them), an event after each unit's; the workers follow the events. Then, once every
+// worker is done, it cleans up here, on a thread of ours with the rank's device set:
+// the caller's thread makes no CUDA call (on a thread that never set a device, the
+// first one would make a context on GPU 0).
+void cleanup(Run& r);
+
 void issue(Run& r) {
   try {
     gpu::set_device(r.opt.device);
@@ -116,10 +126,40 @@ void issue(Run& r) {
   } catch (const std::exception& e) {
     r.fail(e.what());
   }
+  cleanup(r);
+}
+
+void cleanup(Run& r) {
+  {
+    std::unique_lock<std::mutex> lk(r.mu);
+    r.cv.wait(lk, [&] { return r.all_started && r.finished == r.started; });
+  }
+  try {
+    gpu::set_device(r.opt.device);  // (a failed issue may not have set it)
+    // on a failure, copies queued before it may still run: none may outlive the call
+    if (r.failed.load()) gpu::stream_synchronize(r.opt.stream);
+  } catch (...) {
+  }
+  for (uintptr_t ev : r.events)
+    if (ev) try { gpu::event_destroy(ev); } catch (...) {}
 }
 #endif
 
+// A worker's end, counted for the issuer's cleanup.
+void finish(Run& r) {
+  std::lock_guard<std::mutex> lk(r.mu);
+  ++r.finished;
+  r.cv.notify_all();
+}
+
+void work_units(Run& r);
+
 void work(Run& r) {
+  work_units(r);
+  finish(r);
+}
+
+void work_units(Run& r) {
   try {
 #ifdef REFT_WITH_CUDA
     if (r.opt.device >= 0) gpu::set_device(r.opt.device);
@@ -175,26 +215,34 @@ std::vector<uint64_t> copy_and_hash(const std::vector<HashUnit>& units,
   const int n = std::max(1, std::min<int>(opt.num_threads, int(std::max<size_t>(1, units.size()))));
   std::vector<std::thread> threads;
   threads.reserve(n + 1);
+  std::string spawn_error;
+  // a thread that cannot be made (EAGAIN: the process's or user's thread limit) fails
+  // the call: the threads already made are stopped and joined, then the error raised
+  // (a joinable std::thread destroyed would terminate the process)
+  try {
 #ifdef REFT_WITH_CUDA
-  if (device) threads.emplace_back([&r] { issue(r); });
+    if (device) threads.emplace_back([&r] { issue(r); });
 #else
-  (void)device;
+    (void)device;
 #endif
-  for (int t = 0; t < n; ++t) threads.emplace_back([&r] { work(r); });
-  for (auto& t : threads) t.join();
-#ifdef REFT_WITH_CUDA
-  if (device) {
-    // on a failure, copies queued before it may still run: none may outlive the call
-    if (r.failed.load()) {
-      try {
-        gpu::set_device_guarded_sync(opt.device, opt.stream);
-      } catch (...) {
-      }
+    for (int t = 0; t < n; ++t) {
+      threads.emplace_back([&r] { work(r); });
+      std::lock_guard<std::mutex> lk(r.mu);
+      ++r.started;
     }
-    for (uintptr_t ev : r.events)
-      if (ev) try { gpu::event_destroy(ev); } catch (...) {}
+  } catch (const std::system_error& e) {
+    spawn_error = "could not start thread " + std::to_string(threads.size() + 1) + " of " +
+                  std::to_string(n + (device ? 1 : 0)) + ": " + e.what();
+    r.fail(spawn_error);
   }
+  {
+    std::lock_guard<std::mutex> lk(r.mu);
+    r.all_started = true;
+    r.cv.notify_all();
+  }
+#ifdef REFT_WITH_CUDA
 #endif
+  for (auto& t : threads) t.join();
   if (r.failed.load()) throw std::runtime_error("copy_and_hash: " + r.error);
   if (stats) {
     stats->seconds = since(t0);

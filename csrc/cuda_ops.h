@@ -30,9 +30,11 @@ bool event_query(uintptr_t event);        // true once the work before it is don
 void event_synchronize(uintptr_t event);  // blocks (call with the GIL released)
 void event_destroy(uintptr_t event);
 
-// Page-locks an existing host mapping (a shared-memory segment) in place, with
-// `device` (>= 0) current on the calling thread for the call (the context the
-// registration is made in; a new thread's device is 0), restored after.
+// Page-locks an existing host mapping (a shared-memory segment) in place. `device`
+// (>= 0): made current on the calling thread first and left current (never restored:
+// restoring a thread's "previous" device, 0 on a thread that never set one, would make
+// a context on GPU 0); -1: the thread's own. Call it from a thread whose device is the
+// rank's (store/slots.py's page-locking thread sets it) or a thread of ours.
 void host_register(void* ptr, size_t n, int device = -1);
 void host_unregister(void* ptr);
 
@@ -41,8 +43,8 @@ void set_device(int device);  // on the calling thread (a thread of our own)
 void stream_wait_event(uintptr_t stream, uintptr_t event);
 void memcpy_async_raw(void* dst, const void* src, size_t n, uintptr_t stream);
 uintptr_t record_new_event(uintptr_t stream);  // blocking-sync event: waiters sleep
-// Synchronizes `stream` with `device` current, the caller's device restored after.
-void set_device_guarded_sync(int device, uintptr_t stream);
+// Waits for `stream` (on a thread of ours whose device is the stream's).
+void stream_synchronize(uintptr_t stream);
 
 // out = srcs[0] ^ ... ^ srcs[k-1] over n bytes of device memory, enqueued on
 // `stream`.  out may be exactly one of the srcs.

@@ -1,35 +1,38 @@
 #!/bin/bash
 # The GPU checks on a bare CUDA machine that has torch but none of this project's other
 # dependencies (a lent device with no package registry): wheels carried in .whl/
-# (megatron-core for that machine's Python) are installed to a private directory, the
-# native extension is built in place for that machine's torch and CUDA, then, in one
-# call of at most GPU_LEASE_BUDGET seconds (default 470: under 8 minutes on a 16-core H100)
+# (megatron-core for that machine's Python) are installed to a private directory, then,
+# in one call of at most GPU_LEASE_BUDGET seconds (default 470: under 8 minutes on a
+# 16-core H100), correctness first, then performance:
 #
-#  1. the copy-and-hash pipeline (tools/gpu_pipeline_check.py): native digests equal
-#     chunk_digest of the slot bytes for 1 GiB of random bf16 and fp32 device tensors
-#     with an odd tail; the ordering test (_sleep, fill_, mark: the snapshot holds the
-#     fill); the pipeline's GB/s at N = 1, 2, 4, 8 beside the D2H and the hash alone;
-#  2. a paper-size model on the one GPU (GPU_LEASE_MODEL, default llama2-1.3b; "none"
-#     skips it), in this one call so the runs share the card: no snapshot, then a
-#     snapshot every iteration (HAS, page-locked slots) at each N of GPU_LEASE_THREADS
-#     (default "2 4", REFT_COPY_THREADS); median iteration times and the [REFT] lines;
+#  correctness (each step under its own limit; its row noted when it ends)
+#  1. the native extension, built in place for this torch and CUDA;
+#  2. the CUDA tests (kernel parity, device staging, the trainer's GPU path, AOR's D2H;
+#     GPU_LEASE_TESTS=0 skips them);
 #  3. tools/gpu_smoke.sh with GPU_LEASE_ITERS iterations (default 30): a failure-free
 #     run, a crash + REFT-load, the final states compared bit for bit;
+#  4. several ranks sharing the GPU (GPU_LEASE_MULTIRANK=0 skips it): the staged
+#     collectives against plain gloo on host tensors (a reference that shares no
+#     staging), then tools/gpu_multirank.py's cases, each row written as it finishes;
 #
-# and, between 2 and 3, each while what is left of the budget still holds it beside the
-# smoke (else a line says it was skipped): several ranks sharing the GPU
-# (tools/gpu_multirank.py; GPU_LEASE_MULTIRANK=0 skips it), then the CUDA tests (kernel
-# parity, device staging, the trainer's GPU path, AOR's D2H; GPU_LEASE_TESTS=0 skips
-# them). Each step runs under its own
-# time limit, cut to what is left of the budget, so one that hangs cannot take the
-# others with it. Logs and tables go to $OUT (default runs/gpu-lease); a summary last.
-# Record its tables, dated, in docs/gpu.md.
+#  performance (what the budget has left; a line says what was skipped)
+#  5. the copy-and-hash pipeline (tools/gpu_pipeline_check.py): native digests equal
+#     chunk_digest of the slot bytes for 1 GiB of random bf16 and fp32 device tensors
+#     with an odd tail; the ordering test; the pipeline's GB/s at N = 1, 2, 4, 8;
+#  6. a paper-size model on the one GPU (GPU_LEASE_MODEL, default llama2-1.3b; "none"
+#     skips it): no snapshot, then a snapshot every iteration (HAS, page-locked slots)
+#     at each N of GPU_LEASE_THREADS (default "2 4", REFT_COPY_THREADS); median
+#     iteration times and the [REFT] lines.
+#
+# Each step runs under its own time limit, cut to what is left of the budget, so one
+# that hangs cannot take the others with it. Logs and tables go to $OUT (default
+# runs/gpu-lease); a summary last. Record its tables, dated, in docs/gpu.md.
 #
 #     tools/gpu_lease.sh                 # OUT=..., PYTHON (python3)
 #
-# GPU_LEASE_DRY_RUN=1 prints every command of every step ("+ " first, shell-quoted) and
-# runs none: tests/unit/test_gpu_lease_script.py parses the trainer commands with the
-# trainer's own argument parser.
+# GPU_LEASE_DRY_RUN=1 prints every step ("== correctness: ..." / "== performance: ...")
+# and its commands ("+ " first, shell-quoted) and runs none: tests/unit/
+# test_gpu_lease_script.py parses the trainer commands with the trainer's own parser.
 #
 # Wheels for the device's Python (3.12 here, manylinux x86-64), fetched where pip works:
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -45,7 +48,7 @@ DRY=${GPU_LEASE_DRY_RUN:-0}
 mkdir -p "$OUT"
 T0=$(date +%s)
 SUMMARY=()
-step() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+step() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }  # "correctness: ..." / "performance: ..."
 note() { [[ $DRY == 1 ]] || { SUMMARY+=("$1"); echo "-- $1"; }; }
 # bounded LIMIT LOG CMD...: runs CMD with its output in LOG, killed after LIMIT seconds or
 # when the budget is spent, whichever comes first; a dry run prints it ("+ " first)
@@ -60,13 +63,13 @@ bounded() {
     [ $rc -eq 124 ] && echo "(killed after $limit s)" >>"$log"
     return $rc
 }
-SMOKE_LIMIT=200
-# fits NAME LIMIT: whether LIMIT seconds are left beside the smoke's; says so when not
+SMOKE_LIMIT=150
+# fits NAME LIMIT: whether LIMIT seconds of the budget are left; says so when not
 fits() {
     [[ $DRY == 1 ]] && return 0
-    local left=$(( BUDGET - ($(date +%s) - T0) - SMOKE_LIMIT ))
+    local left=$(( BUDGET - ($(date +%s) - T0) ))
     (( left >= $2 )) && return 0
-    note "$1: skipped ($left s of the budget left beside the smoke, it takes up to $2 s)"
+    note "$1: skipped ($left s of the budget left, it takes up to $2 s)"
     return 1
 }
 # median iteration time of a trainer log after the first SKIP iterations (warm-up)
@@ -77,21 +80,26 @@ median_ms() {
 }
 
 # ---- several ranks on one GPU (issue 51; GPU_LEASE_MULTIRANK=0 skips it) -----------------
-# tools/gpu_multirank.py: 2 nodes x 2 ranks sharing the GPU over gloo (device tensors,
-# megatron/training/gloo_device.py stages what gloo cannot do on them), TP2 x DP2 ZeRO-1:
-# a failure-free reference, a lost node under arc,aor and under aec,aor (REFT-load's H2D
-# of peers' slices, AOR's device owners), a crash; each final checkpoint compared with
-# the reference by tools/compare_checkpoints.py. Its table goes to $OUT/multirank.
+# tools/gpu_multirank.py: first --staging-check (two gloo ranks, each staged collective on
+# device tensors vs plain gloo on host copies: a reference that shares no staging), then
+# 2 nodes x 2 ranks sharing the GPU over gloo (megatron/training/gloo_device.py stages
+# what gloo cannot do on device tensors), TP2 x DP2 ZeRO-1: a failure-free reference, a
+# lost node under arc,aor and under aec,aor (REFT-load's H2D of peers' slices, AOR's
+# device owners), a crash; each final checkpoint compared with the reference by
+# tools/compare_checkpoints.py, its row written to $OUT/multirank/table.md as it ends.
 multi_rank_step() {
     local dir=$OUT/multirank
     if [[ $DRY == 1 ]]; then
+        step "correctness: several ranks on one GPU (tools/gpu_multirank.py)"
+        "$PY" tools/gpu_multirank.py --staging-check --dry-run --out "$dir"
         "$PY" tools/gpu_multirank.py --dry-run --out "$dir"
         return
     fi
     [[ ${GPU_LEASE_MULTIRANK:-1} == 1 ]] || return
-    fits "several ranks on one GPU" 240 || return
-    step "several ranks on one GPU (tools/gpu_multirank.py)"
+    step "correctness: several ranks on one GPU (tools/gpu_multirank.py)"
     rm -rf /dev/shm/reft-* "$dir" 2>/dev/null
+    bounded 60 "$OUT/staging.log" "$PY" tools/gpu_multirank.py --staging-check --out "$dir"
+    note "staged collectives vs plain gloo on host: exit $? ($(grep -c 'identical to plain' "$OUT/staging.log" 2>/dev/null) of 10 identical; staging.log)"
     bounded 240 "$OUT/multirank.log" "$PY" tools/gpu_multirank.py --out "$dir" --timeout 90
     note "several ranks on one GPU: exit $? ($(grep -c 'identical' "$dir/table.md" 2>/dev/null) of 3 identical; multirank.log, multirank/table.md)"
     cat "$dir/table.md" 2>/dev/null
@@ -117,7 +125,7 @@ fi
 # package shared with megatron-core's wheel, so both directories are searched)
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
-step "native extension, built in place for this torch"
+step "correctness: native extension, built in place for this torch"
 [[ $DRY == 1 ]] || rm -f reft_ext/_C.*.so reft_ext/_groups.*.so
 # one architecture: the device's own (compiling for two doubles nvcc's time)
 ARCH=$([[ $DRY == 1 ]] || "$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null)
@@ -128,14 +136,40 @@ else
 fi
 [[ $DRY == 1 ]] || note "native: $("$PY" -c 'import reft_ext._native as n; print(n.info())' 2>&1 | tail -1)"
 
-step "the copy-and-hash pipeline: digests, ordering, GB/s at N = 1, 2, 4, 8"
-bounded 100 "$OUT/pipeline.log" "$PY" tools/gpu_pipeline_check.py --gib 1 --threads 1,2,4,8
-note "pipeline check: exit $? (pipeline.log)"
-[[ $DRY == 1 ]] || cat "$OUT/pipeline.log"
+if [[ ${GPU_LEASE_TESTS:-1} == 1 ]]; then
+    step "correctness: CUDA tests"
+    bounded 120 "$OUT/gpu_tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
+        tests/unit/test_csrc_copy.py tests/unit/test_csrc_xor.py tests/unit/test_csrc_shm.py \
+        tests/gpu tests/unit/test_gpu_trainer_path.py tests/unit/test_aor_gpu_path.py
+    note "CUDA tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" 2>/dev/null | tail -1)"
+fi
+
+step "correctness: tools/gpu_smoke.sh, $ITERS iterations (a crash at $((ITERS / 2)), bit-identical recovery)"
+if [[ $DRY == 1 ]]; then
+    PYTHON="$PY" GPU_SMOKE_DRY_RUN=1 GPU_SMOKE_ITERS="$ITERS" GPU_SMOKE_FAULT_ITER=$((ITERS / 2)) \
+        GPU_SMOKE_DIR=runs/gpu-smoke tools/gpu_smoke.sh "$OUT/table.md"
+else
+    rm -rf /dev/shm/reft-* 2>/dev/null
+    PYTHON="$PY" GPU_SMOKE_ITERS="$ITERS" GPU_SMOKE_FAULT_ITER=$((ITERS / 2)) \
+        GPU_SMOKE_DIR=runs/gpu-smoke bounded $SMOKE_LIMIT "$OUT/smoke.log" tools/gpu_smoke.sh "$OUT/table.md"
+    note "smoke exit $? (table.md, smoke.log)"
+    tar -czf "$OUT/smoke_logs.tgz" runs/gpu-smoke/*.log 2>/dev/null
+    cat "$OUT/table.md" 2>/dev/null || tail -30 "$OUT/smoke.log"
+fi
+
+multi_rank_step
+
+# ---- performance: what the budget has left --------------------------------------------
+if fits "the copy-and-hash pipeline check" 60; then
+    step "performance: the copy-and-hash pipeline: digests, ordering, GB/s at N = 1, 2, 4, 8"
+    bounded 100 "$OUT/pipeline.log" "$PY" tools/gpu_pipeline_check.py --gib 1 --threads 1,2,4,8
+    note "pipeline check: exit $? (pipeline.log)"
+    [[ $DRY == 1 ]] || cat "$OUT/pipeline.log"
+fi
 
 MODEL=${GPU_LEASE_MODEL:-llama2-1.3b}
-if [ "$MODEL" != none ]; then
-    step "$MODEL: no snapshot, then a snapshot every iteration at N = ${GPU_LEASE_THREADS:-2 4}"
+if [ "$MODEL" != none ] && fits "$MODEL runs" 90; then
+    step "performance: $MODEL: no snapshot, then a snapshot every iteration at N = ${GPU_LEASE_THREADS:-2 4}"
     BIG=(--model-size "$MODEL" --seq-length 2048 --mock-data --tokenizer-type NullTokenizer
          --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8 --train-iters 8
          --lr 1e-4 --lr-warmup-iters 2 --log-interval 1 --eval-interval 1000 --eval-iters 0
@@ -153,30 +187,8 @@ if [ "$MODEL" != none ]; then
         grep -h '\[REFT\] snapshot' "$OUT/$log.log" | tail -3
     done
 fi
-
-multi_rank_step  # after the save-speed steps, before the smoke, while the budget holds it
-if [[ ${GPU_LEASE_TESTS:-1} == 1 ]] && fits "CUDA tests" 150; then
-    step "CUDA tests"
-    bounded 150 "$OUT/gpu_tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
-        tests/unit/test_csrc_copy.py tests/unit/test_csrc_xor.py tests/unit/test_csrc_shm.py \
-        tests/gpu tests/unit/test_gpu_trainer_path.py tests/unit/test_aor_gpu_path.py
-    note "CUDA tests: $(grep -E '(passed|failed|error)' "$OUT/gpu_tests.log" 2>/dev/null | tail -1)"
-fi
-
-
-step "tools/gpu_smoke.sh, $ITERS iterations (a crash at $((ITERS / 2)), bit-identical recovery)"
-if [[ $DRY == 1 ]]; then
-    PYTHON="$PY" GPU_SMOKE_DRY_RUN=1 GPU_SMOKE_ITERS="$ITERS" GPU_SMOKE_FAULT_ITER=$((ITERS / 2)) \
-        GPU_SMOKE_DIR=runs/gpu-smoke tools/gpu_smoke.sh "$OUT/table.md"
-    exit 0
-fi
-rm -rf /dev/shm/reft-* 2>/dev/null
-PYTHON="$PY" GPU_SMOKE_ITERS="$ITERS" GPU_SMOKE_FAULT_ITER=$((ITERS / 2)) \
-    GPU_SMOKE_DIR=runs/gpu-smoke bounded $SMOKE_LIMIT "$OUT/smoke.log" tools/gpu_smoke.sh "$OUT/table.md"
-note "smoke exit $? (table.md, smoke.log)"
-tar -czf "$OUT/smoke_logs.tgz" runs/gpu-smoke/*.log 2>/dev/null
+[[ $DRY == 1 ]] && exit 0
 
 step "done"
-cat "$OUT/table.md" 2>/dev/null || tail -30 "$OUT/smoke.log"
 printf '%s\n' "${SUMMARY[@]}"
-grep -E 'FAILED|Error|error' "$OUT/gpu_tests.log" "$OUT/pipeline.log" 2>/dev/null | head -20
+grep -E 'FAILED|Error|error' "$OUT/gpu_tests.log" "$OUT/staging.log" "$OUT/pipeline.log" 2>/dev/null | head -20

@@ -18,11 +18,17 @@ CPU twin), each rank's model and optimizer on the device; snapshots every iterat
                worker, REFT-load restores each from its own host memory
 
 Each final checkpoint is compared with the reference by tools/compare_checkpoints.py
-(bit for bit); one line per case, a table in --out. ``--dry-run`` prints the trainer
+(bit for bit); one line per case, its row added to the table in --out as it finishes
+(a time limit loses only the rows not yet run). The reference shares the cases'
+staging, so ``--staging-check`` checks the staging itself against a reference that
+does not: two gloo ranks on the device run every staged collective (ZeRO-1's
+reduce-scatter into a view of its own input among them) on device tensors and plain
+gloo on host copies of the same values; the results must be bit-identical. ``--dry-run`` prints the trainer
 command of every case (``+ `` lines, what tests/unit/test_gpu_multirank.py parses) and
 starts nothing; ``--device cpu`` runs the same cases on gloo with host tensors.
 
     python tools/gpu_multirank.py --out runs/gpu-lease/multirank [--dry-run] [--device cpu]
+    python tools/gpu_multirank.py --staging-check [--device cpu]
 """
 
 from __future__ import annotations
@@ -117,6 +123,83 @@ def compare(out: str, case: str) -> str:
     return "identical" if r.returncode == 0 else f"DIFFERS ({r.stdout.strip()[-200:]})"
 
 
+def _staging_rank(rank: int, store: str, device: str, out: str) -> None:
+    """One rank of --staging-check: each staged collective on ``device`` tensors vs the
+    plain gloo collective on host copies; writes its verdicts to ``out.rank``."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.training import gloo_device
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    # the host twin stages every host tensor of the staged call (the reference call is
+    # the plain collective): the same copies and copy-backs, no device
+    stage = (lambda t: t.device.type != "cpu") if device == "cuda" else \
+        (lambda t: isinstance(t, torch.Tensor))
+    gen = torch.Generator().manual_seed(rank)
+    base = torch.randn(8, 4, generator=gen)
+
+    def on(x):
+        return x.to(device, copy=True)
+
+    def zero1(mk):  # megatron-core's ZeRO-1: the output is the rank's view of its input
+        buf = mk(base)
+        return [buf.view(-1)[rank * 16:(rank + 1) * 16], buf.view(-1)], buf
+    cases = {
+        "reduce_scatter_tensor (ZeRO-1: output a view of its input)": (
+            "reduce_scatter_tensor", zero1),
+        "all_gather_into_tensor": ("all_gather_into_tensor",
+                                   lambda mk: ([mk(torch.zeros(64)), mk(base.view(-1)[:32])],
+                                               None)),
+        "all_reduce": ("all_reduce", lambda mk: ([mk(base)], None)),
+        "broadcast": ("broadcast", lambda mk: ([mk(base), 1], None)),
+        "all_gather": ("all_gather", lambda mk: ([[mk(torch.zeros(8, 4)),
+                                                   mk(torch.zeros(8, 4))], mk(base)], None)),
+    }
+    verdicts = {}
+    try:
+        for label, (name, make) in cases.items():
+            fn = getattr(dist, name)
+            host_args, host_buf = make(lambda x: x.clone())
+            fn(*host_args)  # the reference: plain gloo on host tensors, nothing staged
+            dev_args, dev_buf = make(on)
+            gloo_device.staged(fn, stage)(*dev_args)
+            flat = lambda a: [t for x in a if isinstance(x, (list, torch.Tensor))  # noqa: E731
+                              for t in (x if isinstance(x, list) else [x])]
+            same = all(torch.equal(h.cpu(), d.cpu()) for h, d in
+                       zip(flat(host_args), flat(dev_args)))
+            if host_buf is not None:
+                same &= torch.equal(host_buf.cpu(), dev_buf.cpu())
+            verdicts[label] = same
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(verdicts, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def staging_check(device: str, out: str) -> int:
+    """--staging-check: two gloo ranks, staged vs plain (see the module's doc)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    os.makedirs(out, exist_ok=True)
+    res = os.path.join(out, "staging")
+    mp.spawn(_staging_rank, args=(os.path.join(out, "staging.store"), device, res),
+             nprocs=2, join=True)
+    ok = True
+    for rank in (0, 1):
+        for label, same in json.load(open(f"{res}.{rank}")).items():
+            ok &= same
+            print(f"[multirank] staging rank {rank} {label}: "
+                  f"{'identical to plain gloo on host' if same else 'DIFFERS'}", flush=True)
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="", help="where the cases' checkpoints, logs and "
@@ -125,12 +208,20 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated, ref first")
     p.add_argument("--timeout", type=float, default=150, help="seconds per case")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--staging-check", action="store_true",
+                   help="check the staged collectives against plain gloo on host tensors")
     a = p.parse_args(argv)
     cases = [c for c in a.cases.split(",") if c]
     bad = [c for c in cases if c not in CASES]
     if bad or cases[:1] != ["ref"]:
         p.error(f"--cases: from {list(CASES)}, ref first; got {a.cases!r}")
     out = a.out or tempfile.mkdtemp(prefix="gpu-multirank-")
+    if a.staging_check and a.dry_run:
+        print("+ " + shlex.join(["tools/gpu_multirank.py", "--staging-check", "--device",
+                                 a.device, "--out", out]))
+        return 0
+    if a.staging_check:
+        return staging_check(a.device, out)
     if a.dry_run:
         for c in cases:
             print(f"# {c}: {NODES} nodes x {PER_NODE} ranks on one {a.device} device")
@@ -153,10 +244,10 @@ def main(argv=None) -> int:
         rows.append(f"| {c} | {CASES[c][0]} | {CASES[c][1] or '-'} | {verdict} | {same} | "
                     f"{detail} |")
         print(f"[multirank] {c}: {verdict}, {same}: {detail}", flush=True)
-    table = ["| case | protect | fault | run | vs ref (compare_checkpoints) | detail |",
-             "|---|---|---|---|---|---|", *rows]
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write("\n".join(table) + "\n")
+        table = ["| case | protect | fault | run | vs ref (compare_checkpoints) | detail |",
+                 "|---|---|---|---|---|---|", *rows]
+        with open(os.path.join(out, "table.md"), "w") as f:  # each row as it finishes
+            f.write("\n".join(table) + "\n")
     print("\n".join(table))
     return 0 if ok else 1
 

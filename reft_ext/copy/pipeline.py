@@ -120,9 +120,29 @@ def fixed_threads() -> int:
     return int(raw)
 
 
+# what the native threads compute: the manifest must name it (reft_ext/store/checksum.py)
+ALGORITHM = "xxh3_64/4M"
+_said_algorithm = False
+
+
 def available(device_sources: bool) -> bool:
-    """The native pipeline can serve these sources (device ones need the CUDA part)."""
+    """The native pipeline can serve these sources (device ones need the CUDA part), and
+    the snapshot's checksum is the one it computes: without python-xxhash the default is
+    crc32/4M, so the reference path serves (said once)."""
+    global _said_algorithm
     if _native.C is None or not hasattr(_native.C, "copy_hash"):
+        return False
+    from reft_ext.store import checksum  # noqa: PLC0415
+
+    if checksum.DEFAULT != ALGORITHM:
+        if not _said_algorithm:
+            _said_algorithm = True
+            from reft_ext.report.events import reft_print  # noqa: PLC0415
+
+            reft_print(f"native copy-and-hash pipeline off: the python package 'xxhash' "
+                       f"is missing (pip install xxhash); snapshots are checksummed "
+                       f"{checksum.DEFAULT} on the reference path",
+                       event="pipeline_reference", algorithm=checksum.DEFAULT)
         return False
     return _native.HAVE_NATIVE_CUDA or not device_sources
 

@@ -330,7 +330,8 @@ class ShmSegment:
     def pin(self, device: int | None = None) -> bool:
         """Page-locks the mapping for async device->host copies; False without CUDA.
         ``device``: current for the registration (the rank's: a thread's own is 0, and
-        the registration would make a context on GPU 0); None: the thread's."""
+        the registration would make a context on GPU 0); None: the thread's. The page-
+        locking thread (store/slots.py) sets the rank's device itself first."""
         if self._pinned_ptr is not None:
             return True
         if self._mm is None or not torch.cuda.is_available():
@@ -339,13 +340,17 @@ class ShmSegment:
         # whole pages (the mapping has them): a length that is not a page multiple is
         # refused by some drivers
         n = -(-max(self.nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
-        if _native.C is not None and _native.HAVE_NATIVE_CUDA:
-            _native.C.cuda_host_register(ptr, n, -1 if device is None else int(device))
-        else:
-            with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        # ``device`` current for the call through torch's guard, which restores the
+        # thread's previous device only where that one has a context (a restore to a
+        # new thread's device 0 would make one there); the native call sets none
+        with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+            if _native.C is not None and _native.HAVE_NATIVE_CUDA:
+                _native.C.cuda_host_register(ptr, n, -1)
+                rc = 0
+            else:
                 rc = torch.cuda.cudart().cudaHostRegister(ptr, n, 1)  # 1 = Portable
-            if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister({self.path}, {n}) failed: {rc}")
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister({self.path}, {n}) failed: {rc}")
         self._pinned_ptr = ptr
         self._pinned_device = device
         return True

@@ -271,6 +271,10 @@ class SnapshotStore:
 
     def _create_all(self, todo: list) -> None:
         try:
+            if self.pin_slots and self.device is not None:
+                # this thread's device is the rank's before any CUDA call (the page
+                # locking): a new thread's is 0, where the runtime would make a context
+                torch.cuda.set_device(self.device)
             for key, fname, n in todo:
                 if key in self.slots:
                     self._slots_go.wait()

@@ -25,12 +25,17 @@ def test_reft_collectives_per_iteration_and_their_groups():
     run = torchrun(4, args, env={"REFT_COUNT_COLLECTIVES": "1", "PYTHONWARNINGS": ""}).check()
     its = {(e["rank"], e["iteration"]): e for e in run.events_of("reft_iteration")}
     assert sorted(its) == [(r, i) for r in range(4) for i in range(1, ITERS + 1)]
+    holder_recvs = 0
     for (rank, it), e in its.items():
         assert e["reft_ms"] > 0, e
         if it == 1:  # start-up: REFT-load's agreement, AOR's seeding, the watcher
             continue
-        calls = e["calls"]
-        assert all(c["training_thread"] for c in calls), calls
+        # off the training thread: only AOR's holder, posting its own receive of the
+        # owner's step on its apply thread (the training thread never waits for it)
+        off = [c for c in e["calls"] if not c["training_thread"]]
+        assert all((c["where"], c["op"]) == ("transport.py:_run", "irecv") for c in off), off
+        holder_recvs += len(off)
+        calls = [c for c in e["calls"] if c["training_thread"]]
         world = sorted({c["where"] for c in calls if c["group_size"] == 4 and
                         c["op"] not in P2P})
         # snapshot it - 1 is committed before the step of it; its line is a logged one
@@ -40,9 +45,10 @@ def test_reft_collectives_per_iteration_and_their_groups():
         assert not [c for c in calls if c["where"].startswith("commit.py")], calls
         verdict = [c for c in calls if c["where"] == "session.py:_job_wide"]
         assert [(c["op"], c["group_size"]) for c in verdict] == [("all_reduce", 2)], calls
-        aor = [c for c in calls if c["where"] == "transport.py:_send_step"]
-        assert {c["op"] for c in aor} == {"isend", "irecv"} and \
+        aor = [c for c in calls if c["where"] == "transport.py:_on_step"]
+        assert {c["op"] for c in aor} == {"isend"} and \
             all(c["group_size"] == 2 for c in aor), calls
+    assert holder_recvs > 0
     # one [REFT] snapshots line per --log-interval, its maxima the slowest rank's (the
     # gather above); megatron-core's fallback warnings are one line (tests/harness/log_lines.py)
     assert_interval_lines(run.output, [(1, 4), (5, 8)])

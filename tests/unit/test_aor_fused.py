@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from megatron.training import optimizer_state as ost
 from reft_ext.protect.aor import replica as R
+from reft_ext.protect.aor import shard_layout as SL
 from tests.harness.fused_standins import FusedAdam, FusedSGD
 
 
@@ -166,3 +167,21 @@ def test_fused_adam_replica_is_exact_at_every_verification_and_checksummed_early
         # between verifications no early checksum is taken
         assert all(r["early"] == [] for r in rows if r["step"] % every)
     assert os.path.exists(f"{out}.0")
+
+
+def test_wsum64_in_blocks_equals_its_chunk_by_chunk_definition():
+    """wsum64 (whole chunks as a reshaped view, WSUM_BLOCK at a time) is bit-exact with
+    wsum64_reference: pieces with heads and tails off the chunk boundaries, more whole
+    chunks than a block, a piece of exactly one chunk, large words that wrap int64."""
+    gen = torch.Generator().manual_seed(5)
+    C = R.WSUM_CHUNK
+    words = lambda n: torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32,  # noqa: E731
+                                    generator=gen)
+    cases = [[words(3)], [words(C)], [words(C + 7), words(C - 7)],
+             [words(C // 3), words((SL.WSUM_BLOCK + 2) * C + 11), words(5)],
+             [torch.full((2 * C,), 2**31 - 1, dtype=torch.int32)],
+             [words(C).view(torch.float32), words(17)]]
+    for pieces in cases:
+        assert R.wsum64(pieces) == SL.wsum64_reference(pieces), [p.numel() for p in pieces]
+    one = words(2 * C + 3)
+    assert R.wsum64([one]) == R.wsum64([one[:C + 1], one[C + 1:]])

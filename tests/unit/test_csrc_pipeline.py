@@ -4,6 +4,9 @@ against the Python reference: the bytes StreamLayout.read writes and chunk_diges
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -199,3 +202,38 @@ def test_both_hash_kernels_give_pythons_digests():
         r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                            timeout=120, env=dict(os.environ, REFT_CPU_ISA=isa))
         assert r.stdout.split() == ["True"], (isa, r.stderr[-2000:])
+
+
+@pytest.mark.skipif(not pipeline.available(False), reason="reft_ext._C without copy_hash")
+def test_a_thread_that_cannot_start_is_raised_not_fatal():
+    """copy_hash's threads under an address-space limit that leaves room for three of
+    them (pthread_create: EAGAIN): the call raises naming the thread, the process lives
+    (the threads it made were joined: a joinable std::thread destroyed would abort it),
+    and the next call, the limit lifted, gives the same digests."""
+    probe = '''
+import json, resource, torch
+from reft_ext import _native
+C = _native.C
+src = torch.arange(1 << 16, dtype=torch.int64).to(torch.uint8)
+dst = torch.empty(16, 4096, dtype=torch.uint8)
+units = [(dst[i].data_ptr(), 4096, 4096, [(src.data_ptr() + i * 4096, 0, 4096, False)])
+         for i in range(16)]
+ref, _ = C.copy_hash(units, 1)
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (vm + (20 << 20), hard))
+msg = ""
+try:
+    C.copy_hash(units, 16)
+except RuntimeError as e:
+    msg = str(e)
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+again, stats = C.copy_hash(units, 16)
+print(json.dumps({"error": msg, "same": list(again) == list(ref), "threads": stats["threads"]}))
+'''
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]  # (not -6: std::terminate's abort)
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["error"].startswith("copy_and_hash: could not start thread "), res
+    assert res["same"] and res["threads"] == 16, res

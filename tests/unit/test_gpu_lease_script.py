@@ -82,3 +82,24 @@ def test_the_pipeline_check_refuses_without_cuda():
     r = subprocess.run([sys.executable, "tools/gpu_pipeline_check.py"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs CUDA" in r.stdout
+
+
+def test_the_dry_run_lists_the_correctness_steps_before_the_performance_runs(tmp_path):
+    """Within the budget the steps left out are the last ones: the build, the CUDA tests,
+    the smoke and the several-ranks cases (the staging check first) come before the
+    pipeline's GB/s and the paper-size model's iteration times."""
+    r = subprocess.run(["bash", LEASE], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, GPU_LEASE_DRY_RUN="1", OUT=str(tmp_path / "o"),
+                                PYTHON=sys.executable))
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = [ln.split("] ", 1)[1] for ln in r.stdout.splitlines()
+             if ln.startswith("== [")]
+    kinds = [s.split(":", 1)[0] for s in steps]
+    assert kinds == ["correctness"] * 4 + ["performance"] * 2, steps
+    order = ["native extension", "CUDA tests", "gpu_smoke.sh", "several ranks"]
+    assert all(o in s for o, s in zip(order, steps)), steps
+    lines = r.stdout.splitlines()
+    at = lambda text: next(i for i, ln in enumerate(lines) if text in ln)  # noqa: E731
+    assert at("setup.py build_ext") < at("-m pytest") < at("tools/compare_checkpoints.py") \
+        < at("--staging-check") < at("+ pretrain_llama.py") < at("gpu_pipeline_check.py") \
+        < at("--model-size llama2-1.3b --seq-length 2048")

@@ -154,6 +154,27 @@ def _staging(rank: int, store: str, out: str) -> None:
         results["coalesced"] = [out_t.tolist(), results["reduce_scatter_tensor"][0][0]]
         results["handle_done"] = handle.is_completed()
         results["staged_calls"] = len(calls)
+        # sequence parallelism's mappings call megatron-core's own aliases
+        # (tensor_parallel.mappings.dist_*_func): staged once install() swapped them
+        from megatron.core.tensor_parallel import mappings
+        from megatron.training import cpu_compat
+
+        cpu_compat.apply()  # (mappings allocate on torch.cuda.current_device())
+        group = dist.group.WORLD
+        sp = []
+        for stage in (False, True):
+            if stage:
+                gloo_device.install(predicate=lambda t: isinstance(t, torch.Tensor))
+            before = sum(gloo_device.staged_calls.values())
+            try:
+                x = gen(8).reshape(4, 2)
+                sp.append([mappings._reduce_scatter_along_first_dim(x, group).tolist(),
+                           mappings._gather_along_first_dim(x, group).tolist(),
+                           mappings._reduce(x.clone(), group).tolist(),
+                           sum(gloo_device.staged_calls.values()) - before])
+            finally:
+                gloo_device.uninstall()
+        results["sp"] = sp
         with open(f"{out}.{rank}", "w") as f:
             json.dump(results, f)
     finally:
@@ -171,3 +192,20 @@ def test_staged_collectives_give_the_native_results_on_two_gloo_ranks(tmp_path):
             assert native == staged, (rank, name)
         assert res["coalesced"][0] == res["coalesced"][1] and res["handle_done"]
         assert res["staged_calls"] > 0  # the staging path really ran
+        plain, staged = res["sp"]
+        assert plain[:3] == staged[:3] and plain[3] == 0 and staged[3] == 3, res["sp"]
+        if rank == 0:  # its rows summed over both ranks, not its own
+            assert staged[0] == [[10.0, 12.0], [14.0, 16.0]], staged[0]
+
+
+def test_staging_check_against_plain_gloo_on_host(tmp_path):
+    """gpu_multirank.py --staging-check (the lease's reference that shares no staging):
+    on this host its twin stages host tensors; every collective, ZeRO-1's reduce-scatter
+    into a view of its own input among them, equals plain gloo on both ranks."""
+    r = subprocess.run([sys.executable, SCRIPT, "--staging-check", "--device", "cpu",
+                        "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=240, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[multirank] staging")]
+    assert len(lines) == 10 and all("identical to plain gloo on host" in ln for ln in lines)
+    assert sum("ZeRO-1" in ln for ln in lines) == 2

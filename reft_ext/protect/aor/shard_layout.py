@@ -125,17 +125,67 @@ def wsum64(pieces) -> int:
     and independent of the reduction order): s1 = sum of the words, s2 = sum over 4 MiB
     chunks c of (2c+1) x sum of word x its position in the chunk (1..2^20), both mod
     2^64 (two's complement wrap-around). Any one changed word changes s1; moved words
-    change s2. Reads each word a few times on its own device, one sync at the end."""
+    change s2. A piece is a head up to its first chunk boundary, whole chunks taken as
+    a (rows, chunk) view in blocks of WSUM_BLOCK rows (six kernels a block: 32 MiB of
+    state, a 64 MiB temporary), and a tail; s1 in one kernel a piece; one sync at the
+    end. :func:`wsum64_reference` is the chunk-by-chunk definition (its parity test)."""
     acc, pos = {}, 0
     for t in pieces:
-        t = t.detach()
-        if t.numel() == 0:
+        words = _words(t)
+        if words is None:
             continue
-        if t.element_size() != 4 or not t.is_contiguous():
-            raise ValueError(f"wsum64: 4-byte contiguous tensors only, got {t.dtype}")
-        words, dev = t.view(-1).view(torch.int32), t.device
-        if dev not in _ramps:
-            _ramps[dev] = torch.arange(1, WSUM_CHUNK + 1, dtype=torch.int64, device=dev)
+        dev = words.device
+        ramp = _ramp(dev)
+        s1, s2 = acc.setdefault(dev, (torch.zeros((), dtype=torch.int64, device=dev),
+                                      torch.zeros((), dtype=torch.int64, device=dev)))
+        s1 += words.sum(dtype=torch.int64)
+        lo, n = 0, words.numel()
+        while lo < n:
+            c, at = divmod(pos, WSUM_CHUNK)
+            if at or n - lo < WSUM_CHUNK:  # a head or a tail: part of one chunk
+                k = min(n - lo, WSUM_CHUNK - at)
+                s2 += (words[lo:lo + k].to(torch.int64) * ramp[at:at + k]).sum() * (2 * c + 1)
+            else:  # whole chunks c .. c+rows-1: weights (2c+1), (2c+3), ...
+                rows = min((n - lo) // WSUM_CHUNK, WSUM_BLOCK)
+                k = rows * WSUM_CHUNK
+                block = words[lo:lo + k].view(rows, WSUM_CHUNK).to(torch.int64)
+                per_row = block.mul_(ramp).sum(dim=1)
+                odd = torch.arange(2 * c + 1, 2 * (c + rows) + 1, 2, dtype=torch.int64,
+                                   device=dev)
+                s2 += per_row.mul_(odd).sum()
+            lo, pos = lo + k, pos + k
+    t1 = t2 = 0
+    for s1, s2 in acc.values():
+        t1, t2 = t1 + int(s1), t2 + int(s2)
+    return (t1 + 0x9E3779B97F4A7C15 * (t2 & _MASK64) + pos) & _MASK64
+
+
+WSUM_BLOCK = 8  # whole chunks per kernel group of wsum64 (its int64 temporary: 8 x 8 MiB)
+
+
+def _words(t):
+    t = t.detach()
+    if t.numel() == 0:
+        return None
+    if t.element_size() != 4 or not t.is_contiguous():
+        raise ValueError(f"wsum64: 4-byte contiguous tensors only, got {t.dtype}")
+    return t.view(-1).view(torch.int32)
+
+
+def _ramp(dev):
+    if dev not in _ramps:
+        _ramps[dev] = torch.arange(1, WSUM_CHUNK + 1, dtype=torch.int64, device=dev)
+    return _ramps[dev]
+
+
+def wsum64_reference(pieces) -> int:
+    """:func:`wsum64` by its definition, 4 MiB chunk by chunk (the parity test's)."""
+    acc, pos = {}, 0
+    for t in pieces:
+        words = _words(t)
+        if words is None:
+            continue
+        dev = words.device
         s1, s2 = acc.setdefault(dev, (torch.zeros((), dtype=torch.int64, device=dev),
                                       torch.zeros((), dtype=torch.int64, device=dev)))
         lo = 0
@@ -144,7 +194,7 @@ def wsum64(pieces) -> int:
             n = min(words.numel() - lo, WSUM_CHUNK - at)
             w = words[lo:lo + n].to(torch.int64)
             s1 += w.sum()
-            s2 += (w * _ramps[dev][at:at + n]).sum() * (2 * c + 1)
+            s2 += (w * _ramp(dev)[at:at + n]).sum() * (2 * c + 1)
             lo, pos = lo + n, pos + n
     t1 = t2 = 0
     for s1, s2 in acc.values():

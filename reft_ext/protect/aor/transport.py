@@ -11,17 +11,22 @@ Per optimizer step (a torch ``step`` pre-hook on the owner's first torch optimiz
 inside megatron's ``optimizer.step()``, after reduce-scatter, unscale and clipping and
 before any torch Adam step of this iteration), on the main thread:
 
-1. owner: wait for the previous send (long done: its receiver posted it a step ago),
-   pack ``[header | reduced clipped fp32 grads]`` into one buffer, ``isend`` it;
-2. holder: wait until the previous message is applied (the receive buffer is free),
-   ``irecv`` the next one and queue it.
+1. owner: the previous send has completed (long done: its holder posted that receive
+   when it had applied the message before; the training thread waits here only when
+   its holder's replay is a whole step behind, and says so once, with the figures),
+   pack ``[header | reduced clipped fp32 grads]`` into one buffer and ``isend`` it; a
+   device owner only posts the copy to host: its sender thread waits for the copy and
+   sends, beside the owner's Adam kernels;
+2. holder: queue a token for the owner's next message (no wait).
 
-A background thread waits for the receive and applies the step to the replica with
-torch's functional Adam (torch ops release the GIL). Only the main thread posts
-communication (and, at start-up, the thread of :meth:`AORTransport.start_initialize`,
-joined before anything else posts); the apply thread only waits on a posted ``Work``.
-Skipped steps (found inf) never reach the torch step on any rank, so no message is sent
-or expected.
+The holder's apply thread, per token, posts the receive into the (free: the previous
+message is applied) buffer, waits for it and applies the step to the replica with
+torch's functional Adam (torch ops release the GIL). The training thread never waits
+for a replay (only readers do: :meth:`AORTransport.wait`). Communication is posted by
+the main thread, the sender and apply threads (p2p of their own tags), and at start-up
+by the thread of :meth:`AORTransport.start_initialize`, joined before anything else
+posts. Skipped steps (found inf) never reach the torch step on any rank, so no message
+is sent or expected.
 
 Call sites (see docs/aor.md): :meth:`AORTransport.initialize` (or ``start_initialize``,
 on a thread) on every rank of the group after the owner's state is final at start-up
@@ -36,11 +41,13 @@ The start-up (the group, :meth:`~AORTransport.initialize` and the replicas it ke
 from __future__ import annotations
 
 import queue
+import time
 
 import torch
 import torch.distributed as dist
 
 from reft_ext.protect.aor.owner import OwnerShard
+from reft_ext.protect.aor.owner_send import OwnerSend
 from reft_ext.protect.aor.replica import AORReplica
 from reft_ext.protect.aor.shard_layout import host_buffer
 # the start-up (a mixin of AORTransport) and the pair's group and tags, importable from
@@ -58,7 +65,7 @@ def _default_alloc(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-class AORTransport(TransportStartup):
+class AORTransport(TransportStartup, OwnerSend):
     """This rank as owner of its shard and as holder of the replica of the member after
     it on the group's placement ring (reft_ext/protect/placement.py: on another failure
     domain; member d+1 with one member per domain).
@@ -86,11 +93,17 @@ class AORTransport(TransportStartup):
         self.alloc = alloc or _default_alloc
         self.replica: AORReplica | None = None
         self.warnings: list[str] = []
-        self._hook = self._post_hook = None
+        self._hook = None
         self._thread = None
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._send_work = None
+        # a device owner's sender thread (waits for the D2H copy, sends) and its queue
+        self._sender = None
+        self._send_q: queue.Queue = queue.Queue()
+        self.hook_s: list[float] = []  # the training thread's time in each step hook
+        self.holder_waits = 0  # steps whose hook waited for a holder a whole step behind
+        self.holder_wait_s = 0.0
         self._init_send = None  # initialize()'s whole-shard send, in flight
         self._init_thread = None  # start_initialize()'s, until joined
         self._init_error: BaseException | None = None
@@ -109,47 +122,30 @@ class AORTransport(TransportStartup):
     def _install_hooks(self) -> None:
         if self._hook is None and self.owner.opts:
             self._hook = self.owner.opts[0].register_step_pre_hook(self._on_step)
-            if self.owner.on_device:  # the copy overlaps the owner's Adam kernels
-                self._post_hook = self.owner.opts[0].register_step_post_hook(
-                    self._after_step)
 
     def _on_step(self, _opt, _args, _kwargs) -> None:
+        t0 = time.perf_counter()
         self._join_init()  # the start-up's buffers and whole-shard transfers are posted
         spec = self.owner.spec
-        self._wait_send()
+        self._wait_send(behind_check=True)
         h = 8 * spec.header_len
         self.owner.capture(self._send_buf[:h].view(torch.float64),
                            self._send_buf[h:].view(torch.float32), self.seq_sent)
-        if not self.owner.on_device:  # CPU: the message is complete, send it now
-            self._send_step()
-
-    def _after_step(self, _opt, _args, _kwargs) -> None:
-        """Device owner (post hook): the posted D2H copy is done; send the message."""
-        self.owner.wait_capture()
-        self._send_step()
-
-    def _send_step(self) -> None:
-        self._send_work = dist.isend(self._send_buf, dst=self.holder_rank,
-                                     group=self.group, tag=TAG_STEP)
+        if self.owner.on_device:  # the copy overlaps the owner's Adam kernels
+            self._start_sender()
+            self._send_q.put(self.seq_sent)
+        else:  # CPU: the message is complete, send it now
+            self._send_work = dist.isend(self._send_buf, dst=self.holder_rank,
+                                         group=self.group, tag=TAG_STEP)
         self.seq_sent += 1
-        # (tests) this step's message posted to the holder, the owner's message not yet
+        # (tests) this step's message handed to the send, the owner's message not yet
         # received here; the iteration is the step's (the Adam steps taken, this one too)
         self.steps += 1
         fault_point("aor", iteration=self.steps)
-        self._q.join()  # the previous message is applied: the receive buffer is free
         self._raise_if_failed()
-        work = dist.irecv(self._recv_buf, src=self.owner_rank, group=self.group,
-                          tag=TAG_STEP)
-        self._q.put((work, self.seq_recv))
+        self._q.put((None, self.seq_recv))  # the apply thread posts the receive
         self.seq_recv += 1
-
-    def _wait_send(self) -> None:
-        # Exactly once per send: a gloo SendWork's wait() consumes one completion of its
-        # buffer, so a second wait() on the same work blocks forever (seen when a paused
-        # transport was initialized again: initialize() and the next step both waited).
-        if self._send_work is not None:
-            self._send_work.wait()
-            self._send_work = None
+        self.hook_s = [*self.hook_s[-63:], time.perf_counter() - t0]
 
     def _wait_init_send(self) -> None:
         """The whole-shard send of the last initialize has completed (once, as above)."""
@@ -164,6 +160,9 @@ class AORTransport(TransportStartup):
                 if item is None:
                     return
                 work, seq = item
+                if work is None:  # a step's message: the buffer is free (applied)
+                    work = dist.irecv(self._recv_buf, src=self.owner_rank,
+                                      group=self.group, tag=TAG_STEP)
                 work.wait()
                 if seq is INIT:  # the owner's whole shard has landed in the replica
                     self.replica.valid, self.replica.reason = True, ""
@@ -208,6 +207,8 @@ class AORTransport(TransportStartup):
         Call before reading the replica (snapshot, verify, recovery)."""
         self._join_init()
         self._q.join()
+        if self._sender is not None:  # (no send of ours in flight beside a collective)
+            self._send_q.join()
         self._raise_if_failed()
         return self.replica.valid
 
@@ -280,10 +281,9 @@ class AORTransport(TransportStartup):
         self._remove_hooks()
 
     def _remove_hooks(self) -> None:
-        for h in (self._hook, self._post_hook):
-            if h is not None:
-                h.remove()
-        self._hook = self._post_hook = None
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = None
 
     def traffic_per_step(self) -> int:
         """Bytes this rank sends per optimizer step (one message to its holder)."""
@@ -300,6 +300,8 @@ class AORTransport(TransportStartup):
         except RuntimeError:
             pass  # the generation failed anyway
         self._send_work = self._init_send = None
+        if not self._stop_sender(timeout_s):
+            return False
         if self._thread is not None:
             self._q.put(None)
             if not join_or_warn(self._thread, timeout_s, "the AOR replica thread",
@@ -316,6 +318,7 @@ class AORTransport(TransportStartup):
             self._thread.join()
             self._thread = None
         self._wait_send()
+        self._stop_sender()
         self._wait_init_send()
         self._remove_hooks()
 
