@@ -130,9 +130,14 @@ def main() -> None:
         for case in args.cases.split(","):
             if w == args.store_clients and case != "node":
                 continue
-            runs.append(run_one(w, case, "lazy", args))
-            if w <= args.full_mesh_max and case == "node":
-                runs.append(run_one(w, case, "full", args))
+            for gloo in ("lazy", "full") if w <= args.full_mesh_max and case == "node" \
+                    else ("lazy",):
+                try:
+                    runs.append(run_one(w, case, gloo, args))
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(f"W={w} {case} {gloo}: failed: {exc}"[:400], flush=True)
+    if not runs:
+        sys.exit("no run finished")
     print(report(runs, args, time.time() - t0))
     if args.json:
         with open(args.json, "w") as f:

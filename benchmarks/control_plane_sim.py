@@ -76,6 +76,7 @@ class SimWorker(Worker):
     def __init__(self, wid: str, run):
         super().__init__(wid)
         self.code = None
+        self.wake = threading.Event()  # killed, or its rank's watcher saw the abort
         self.pid = os.getpid()
         self.thread = threading.Thread(target=run, args=(self,), daemon=True)
 
@@ -84,6 +85,7 @@ class SimWorker(Worker):
 
     def kill(self, sig=9):
         self.code = -int(sig)
+        self.wake.set()
 
     def cpu_seconds(self):
         return None
@@ -154,6 +156,7 @@ class SimGeneration(inprocess.Generation):
         with self._abort_lock:
             self.abort_reason = reason
             self.aborted.set()
+            getattr(self, "wake", threading.Event()).set()
 
 
 def lazy_peers(rank: int, world: int, group: list[int]) -> set[int]:
@@ -189,13 +192,12 @@ def run_case(world: int, case: str, rpn: int, gloo: str, timeout: float = 600) -
         g.gen = gen
         if gen == 0:
             g.pg_store(datetime.timedelta(seconds=timeout))  # its start-up's groups
+            g.wake = w.wake
             g.watch()
             g.trained()
-            while not g.aborted.wait(0.05):
-                if w.code is not None:  # killed: the thread ends, nothing more said
-                    g._watcher._halt.set()
-                    return
-            if w.code is not None:
+            w.wake.wait()  # the abort (its watcher) or a kill; no polling: W threads
+            if w.code is not None:  # killed: the thread ends, nothing more said
+                g._watcher._halt.set()
                 return
             _tl.phase = "abort"
             g.next_generation(timeout, trained=1)

@@ -24,13 +24,15 @@ from __future__ import annotations
 import math
 
 # measured 2026-11-29 by benchmarks/bench_control_plane.py (W = 16..1024, node loss,
-# after the cuts): store ops per rank a*W^k per phase, planning CPU a*W^k
-OPS_PER_RANK = {"abort": (15.6, 0.0), "rendezvous": (0.2, 0.0),
-                "process groups": (6.0, 0.0), "first iteration": (2.0, 0.0)}
-PLAN_FIT = (6e-6, 1.0)      # seconds of REFT-load's plan at W ranks (16,384: ~80 ms)
+# after the cuts): store ops per rank a*W^k per phase (rendezvous: the spares' only);
+# planning CPU, measured directly at 16,384 ranks (79 ms); the store server's per-op
+# cost, the larger of two runs (2.2 and 7.1 us); a round trip between nodes, assumed
+OPS_PER_RANK = {"abort": (14.5, 0.07), "rendezvous": (58.4, -0.99),
+                "process groups": (3.0, 0.0), "first iteration": (2.0, 0.0)}
+PLAN_FIT = (5e-6, 1.0)      # seconds of REFT-load's plan at W ranks
 INVENTORY_BYTES = 362       # one rank's pickled inventory (three slots)
 STORE_RTT_S = 100e-6        # a store round trip between nodes (TCP, one client)
-SERVER_OP_S = 4e-6          # the TCPStore server's work per op (measured: multi_get)
+SERVER_OP_S = 7.1e-6        # the TCPStore server's work per op (measured: multi_get)
 POLL_S = 0.02               # the supervisor's poll of its workers
 PASS_PER_RANK_S = 1e-6      # its pass over one worker
 NIC_BYTES_S = 3e9           # one rank's share of a node's NICs (inventories' bytes)
