@@ -66,7 +66,10 @@ def run_one(w: int, case: str, gloo: str, args) -> dict:
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"W={w} {case}: no result (rc {p.returncode}): "
-                           f"{p.stderr[-2000:]}")
+                           "\n".join(x for x in p.stderr.splitlines()
+                                     if x.startswith(("Traceback", "  ", "Timeout", "torch",
+                                                      "RuntimeError"))
+                                     and not x.startswith("frame"))[-1500:])
     return json.loads(line[7:])
 
 

@@ -181,7 +181,7 @@ def run_case(world: int, case: str, rpn: int, gloo: str, timeout: float = 600) -
 
     def rank_main(w: SimWorker):
         _tl.phase = "start"
-        sup_store = connect(60)
+        sup_store = connect(timeout)  # (W connects at once: torch's client backs off)
         k = inprocess.key("assign", w.wid)
         sup_store.wait([k])
         a = json.loads(inprocess.read_signed(sup_store, inprocess.job_secret(), k))
@@ -193,6 +193,7 @@ def run_case(world: int, case: str, rpn: int, gloo: str, timeout: float = 600) -
         if gen == 0:
             g.pg_store(datetime.timedelta(seconds=timeout))  # its start-up's groups
             g.wake = w.wake
+            g.client("watch", timeout)  # made here with the bench's patience: the watcher's
             g.watch()
             g.trained()
             w.wake.wait()  # the abort (its watcher) or a kill; no polling: W threads
