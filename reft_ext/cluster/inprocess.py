@@ -61,6 +61,7 @@ ENV_STORE = "REFT_INPROCESS_STORE"      # host:port of the supervisor's store
 ENV_GENERATION = "REFT_GENERATION"      # the generation this process joins first
 ENV_SECRET = "REFT_INPROCESS_SECRET"   # hex of the job's 32-byte HMAC key (never stored)
 PREFIX = "reft/ip"
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"       # torch's switch; a user's own value is kept
 POLL_S = 0.05                           # how often a rank looks for an abort
 EXIT_UNSAFE_ABORT = 1                   # the watcher's exit where aborting failed
 
@@ -237,6 +238,19 @@ class Generation:
         self.sockets_closed = 0
         self.device = None  # the CUDA device the trainer uses (drained at an abort)
         self._watcher: AbortWatcher | None = None
+        # the pg store's and the abort watcher's connections, kept for the process's
+        # life: made anew each generation, a recovery of W ranks opened 2W at once
+        # (benchmarks/bench_control_plane.py: bursts stall connects by 5 s)
+        self._clients: dict[str, torch.distributed.TCPStore] = {}
+
+    def client(self, kind: str, timeout_s: float):
+        """This process's ``kind`` connection to the supervisor's store (one per kind)."""
+        c = self._clients.get(kind)
+        if c is None:
+            c = self._clients[kind] = _connect(timeout_s)
+        else:
+            c.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return c
 
     # ---- the process groups of one generation --------------------------------------
     def pg_store(self, timeout: datetime.timedelta):
@@ -245,8 +259,11 @@ class Generation:
         client that forged them stand in for a peer (whose objects are unpickled)."""
         from reft_ext.cluster.signed_store import SignedStore
 
+        # gloo connects a group's pairs on first use, not as a full mesh (W - 1 peers
+        # per rank, W^2 store reads per generation: docs/scale.md "Recovery at scale")
+        os.environ.setdefault(LAZY_GLOO, "1")
         prefix = key(f"g{self.gen}", "pg")
-        store = _connect(timeout.total_seconds())
+        store = self.client("pg", timeout.total_seconds())
         # bound to the generation: one copied from an older one's keys is said as a replay
         return SignedStore(torch.distributed.PrefixStore(prefix, store), self.secret,
                            key("pg"), round_id=f"generation {self.gen}")
@@ -383,7 +400,7 @@ class AbortWatcher(threading.Thread):
         super().__init__(name=f"reft-abort-watcher-g{gen.gen}", daemon=True)
         self.g, self.gen_no = gen, gen.gen
         self._halt = threading.Event()
-        self.store = _connect(timeout_s=60)
+        self.store = gen.client("watch", 60)
 
     def stop(self, store=None) -> None:
         self._halt.set()
@@ -392,7 +409,9 @@ class AbortWatcher(threading.Thread):
                 store.set(key("wake", self.gen_no, self.g.rank), "stop")
             except Exception:  # noqa: BLE001 - a store that is gone woke it already
                 pass
-        join_or_warn(self, 5, "the in-process restart's abort watcher", generation=self.gen_no)
+        if not join_or_warn(self, 5, "the in-process restart's abort watcher",
+                            generation=self.gen_no):
+            self.g._clients.pop("watch", None)  # still in a call on it: the next one's own
 
     def _abort_if_set(self, k: str) -> bool:
         if self.store.check([k]):

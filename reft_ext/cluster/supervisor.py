@@ -148,6 +148,7 @@ class Supervisor:
         self.preempted = 0  # the signal of a preemption (preempt): no generation after it
         self.watch = StartupWatch(cfg.hang_timeout)  # each generation's start-up
         self._capacity = -1  # the spare nodes last published (straggler swaps)
+        self._trained_gen, self._trained = -1, set()  # ranks seen trained (_all_trained)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -179,11 +180,24 @@ class Supervisor:
         for k in (key("gen"), key("gen", self.gen)):
             self.store.set(k, sign(self.secret, k, str(self.gen), self.gen))
 
+    def _all_trained(self, every: bool = False) -> bool:
+        """Has every rank marked ``trained/<g>/<rank>``? A mark is read until seen once
+        (not every rank's on each 20 ms pass: O(W) reads per pass); ``every``: look at
+        all unseen ones (the start-up watch counts them), not up to the first missing."""
+        if self._trained_gen != self.gen:
+            self._trained_gen, self._trained = self.gen, set()
+        for r in [r for r in self.ranks if r not in self._trained]:
+            if self._signed(key("trained", self.gen, r), self.gen):
+                self._trained.add(r)
+            elif not every:
+                return False
+        return len(self._trained) == len(self.ranks)
+
     def _refill(self) -> None:
         """Top the warm workers up when every rank of the current generation has
         finished an iteration in it (``trained/<g>/<rank>``): on a shared host a spare's
         imports would otherwise take cores from the very recovery it shortens."""
-        if all(self._signed(key("trained", self.gen, r), self.gen) for r in self.ranks):
+        if self._all_trained():
             self.pool.refill()
         cap = self.pool.swap_capacity()
         if cap != self._capacity:  # what a straggler swap may take (straggler_swap.py)
@@ -262,7 +276,8 @@ class Supervisor:
         if not w.due():
             return
         ranks = sorted(self.ranks)
-        marks = sum(self._signed(key("trained", self.gen, r), self.gen) for r in ranks)
+        self._all_trained(every=True)  # (reads only the marks not seen yet)
+        marks = len(self._trained)
         silent = w.check([self.ranks[r].cpu_seconds() for r in ranks], marks, len(ranks))
         if silent is None:
             return

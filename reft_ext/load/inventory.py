@@ -51,8 +51,16 @@ class Held:
 
 def as_inventories(inventories: list) -> list[dict[int, Held]]:
     """Inventories as :class:`Held` entries (accepts the plain-dict form too); a rank that
-    sent nothing (None) holds nothing."""
-    return [{int(it): Held.of(e) for it, e in (inv or {}).items()} for inv in inventories]
+    sent nothing (None) holds nothing. One already in that form is taken as it is (the
+    planner converts once and passes the result on: at 16,384 ranks a copy costs more
+    than the plan)."""
+    return [inv if _converted(inv) else
+            {int(it): Held.of(e) for it, e in (inv or {}).items()} for inv in inventories]
+
+
+def _converted(inv) -> bool:
+    return type(inv) is dict and all(type(k) is int and type(e) is Held
+                                     for k, e in inv.items())
 
 
 def flag(inventories: list[dict[int, Held]], rank: int, it: int,

@@ -17,7 +17,7 @@ every group can rebuild, unless the persistent checkpoint is newer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple, TypeVar
+from typing import Callable, Iterable, NamedTuple, Sequence, TypeVar
 
 from reft_ext.load.errors import (BeyondProtection, MissingHandover, MixedOldGroups,
                                   NoCommonIteration, NoMetadataSource, NoRestorableIteration,
@@ -57,7 +57,7 @@ class GroupPlan:
     meta_from: int | None            # member whose manifest metadata the members that
     #                                  rebuild their slice take (None: nobody rebuilds)
     held: list[dict[int, Region]]    # member -> {slice: region of its own slot holding it}
-    sends: list[tuple[int, int, int]]  # (slice, from member, to member), in posting order
+    sends: "Sends"                   # (slice, from member, to member), in posting order
     rebuild: list[tuple[int, list[int]]]  # (lost member, members whose parity it needs)
 
     @property
@@ -85,16 +85,66 @@ class RecoveryPlan:
 
 
 def owned_source(inventories: list[dict[int, Held]], ranks: list[int], r: int,
-                 it: int, ranks_per_node: int = 1) -> int | None:
+                 it: int, ranks_per_node: int = 1,
+                 placement: Placement | None = None) -> int | None:
     """Where rank r's owned (ZeRO-1) state of iteration ``it`` comes from: r itself, its
-    AOR holder (the member before it on the placement's ring) or None."""
+    AOR holder (the member before it on the placement's ring) or None. ``placement``:
+    the group's, when the caller asks for every member (placing it once, not D times)."""
     if flag(inventories, r, it, Region.OWNED):
         return r
-    p = place(ranks, ranks_per_node)
-    h = p.ranks[p.holder(p.ranks.index(r))]
+    p = placement or place(ranks, ranks_per_node)
+    h = p.ranks[p.holder(p.ranks.index(r) if placement is None else _member_of(p, r))]
     if flag(inventories, h, it, Region.AOR) and inventories[h][it].aor_owner == r:
         return h
     return None
+
+
+class Sends(Sequence):
+    """Who sends each slice to the members that lack it: (slice, from member, to member)
+    in posting order (slice by slice, receivers in member order). A group of D members
+    has O(D^2) of them; a rank posts only its own (:meth:`of`, O(D)), so the list is
+    made only when asked for as a whole (tests, equality)."""
+
+    def __init__(self, providers: list[int | None], held: list[dict[int, Region]]):
+        self.providers, self.held = providers, held  # slice -> provider (None: parity)
+        self._all: list | None = None
+
+    def of(self, member: int) -> list[tuple[int, int, int]]:
+        """The sends ``member`` posts or receives, in the group's posting order."""
+        out, D = [], len(self.providers)
+        for j, provider in enumerate(self.providers):
+            if provider is None:
+                continue
+            if provider == member:
+                out += [(j, provider, m) for m in range(D)
+                        if m != provider and j not in self.held[m]]
+            elif j not in self.held[member]:
+                out.append((j, provider, member))
+        return out
+
+    def _list(self) -> list:
+        if self._all is None:
+            D = len(self.providers)
+            self._all = [(j, p, m) for j, p in enumerate(self.providers) if p is not None
+                         for m in range(D) if m != p and j not in self.held[m]]
+        return self._all
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, Sends)) else \
+            NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+def _member_of(p: Placement, r: int) -> int:
+    return p.__dict__.setdefault("_member", {x: d for d, x in enumerate(p.ranks)})[r]
 
 
 def _exchange(slices: dict[int, Source], red_ok: list[bool], protection: Protection):
@@ -109,19 +159,17 @@ def _exchange(slices: dict[int, Source], red_ok: list[bool], protection: Protect
         if protection.replica_of(m) is not None and red_ok[m]:
             h[protection.replica_of(m)] = Region.REDUNDANCY
         held.append(h)
-    sends = []
-    for j in range(D):
-        if slices[j] == Source.PARITY:
-            continue  # rebuilt by every member from the broadcast parities
-        provider = j if slices[j] == Source.OWN else sources(j)[0]
-        sends += [(j, provider, m) for m in range(D) if m != provider and j not in held[m]]
-    return held, sends
+    # PARITY: rebuilt by every member from the broadcast parities (no sender)
+    providers = [None if slices[j] == Source.PARITY else
+                 j if slices[j] == Source.OWN else sources(j)[0] for j in range(D)]
+    return held, Sends(providers, held)
 
 
 def plan_group(inventories: list[dict[int, Held]], job: JobFacts, ranks: list[int],
                it: int) -> GroupPlan:
     """One sharding group's plan for iteration ``it``, or :class:`Unrestorable`."""
-    protection = make_protection(job.scheme, job.placement(ranks))
+    placement = job.placement(ranks)
+    protection = make_protection(job.scheme, placement)
     own_ok = [flag(inventories, r, it, Region.OWN) for r in ranks]
     red_ok = [flag(inventories, r, it, Region.REDUNDANCY) for r in ranks]
     how = protection.plan(own_ok, red_ok)
@@ -131,7 +179,7 @@ def plan_group(inventories: list[dict[int, Held]], job: JobFacts, ranks: list[in
     slices = {d: Source(h) for d, h in how.items()}
     owned = {}
     if job.owned_needed:
-        owned = {r: owned_source(inventories, ranks, r, it, job.ranks_per_node)
+        owned = {r: owned_source(inventories, ranks, r, it, job.ranks_per_node, placement)
                  for r in ranks}
         lost = [r for r in ranks if owned[r] is None]
         if lost:
@@ -201,8 +249,10 @@ def recovery_tier(inventories: list, groups: list[list[int]], it: int, plans: di
     inventories = as_inventories(inventories)
     used = {Source(how) for plan in plans.values() for how in plan.values()} - {Source.OWN}
     parts = [h.label for h in sorted(used)]
-    if owned_needed and any(owned_source(inventories, ranks, r, it, ranks_per_node) != r
-                            for ranks in groups for r in ranks):
+    if owned_needed and any(owned_source(inventories, ranks, r, it, ranks_per_node,
+                                         place(ranks, ranks_per_node)) != r
+                            for ranks in groups for r in ranks
+                            if not flag(inventories, r, it, Region.OWNED)):
         parts.append("AOR replica")
     return " + ".join(parts) if parts else "own memory"
 

@@ -73,7 +73,7 @@ def _distribute(v: SnapshotView, g: GroupPlan, data, it: int, rx: Received) -> d
     slices = {j: data[v.regions[r][0]:v.regions[r][0] + L]
               for j, r in g.held[v.member].items()}
     reqs, got = [], []
-    for j, provider, m in g.sends:
+    for j, provider, m in g.sends.of(v.member):  # this member's, O(D) (planning.Sends)
         if v.member == provider:
             payload = outgoing(slices[j], it, f"slice {j} (rank {v.dp_ranks[j]}'s)",
                                v.dp_ranks[m])

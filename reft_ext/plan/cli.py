@@ -15,6 +15,7 @@ from reft_ext.plan.hardware import CostConfig, HardwareConfig, estimate, measure
 from reft_ext.plan.model import ModelConfig, ParallelConfig
 from reft_ext.plan.planner import Plan, SnapshotConfig
 from reft_ext.plan.reliability import JobReliability, ReliabilityConfig
+from reft_ext.plan.recovery_model import recovery_rows, recovery_table
 from reft_ext.plan.scale import ScaleConfig, at_scale, paper_checks, paper_table, scale_table
 from reft_ext.plan.state import group_placement
 
@@ -59,6 +60,9 @@ class PlanReport:
         out = to_dict(self.plan, self.reliability, self.cost)
         if self.scale:
             out["scale"] = self.scale[1]
+            out["recovery_at_scale"] = recovery_rows(self.plan, self.reliability,
+                                                     self.scale[1],
+                                                     self.scale[0].collective_latency)
         return out
 
     def render(self) -> str:
@@ -70,6 +74,8 @@ class PlanReport:
             parts.append(cost_text(self.cost))
         if self.scale:
             parts.append(scale_table(self.plan, *self.scale))
+            parts.append(recovery_table(self.plan, self.reliability, self.scale[1],
+                                        self.scale[0].collective_latency))
         return "\n\n".join(parts)
 
 

@@ -30,6 +30,7 @@ even when the ranks per node are a multiple of TP x CP).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Sequence
 
 __all__ = ["Placement", "place", "placement_problem", "check_placement",
@@ -49,19 +50,27 @@ class Placement:
     def D(self) -> int:
         return len(self.ranks)
 
+    @cached_property
+    def _seat(self) -> dict[int, int]:
+        """member -> its seat on the ring (a plan asks for every member's: O(1) each,
+        not a search of the ring, which made a group's plan O(D^2))."""
+        return {m: i for i, m in enumerate(self.ring)}
+
     def protects(self, member: int) -> int:
         """ARC/AOR: the member whose slice (and optimizer shard) ``member`` keeps."""
-        i = self.ring.index(member)
-        return self.ring[(i + 1) % self.D]
+        return self.ring[(self._seat[member] + 1) % self.D]
 
     def holder(self, member: int) -> int:
         """ARC/AOR: the member that keeps ``member``'s slice replica (and shard)."""
-        i = self.ring.index(member)
-        return self.ring[(i - 1) % self.D]
+        return self.ring[(self._seat[member] - 1) % self.D]
 
     def parity_group(self, member: int) -> tuple[int, ...]:
         """AEC: ``member``'s parity group (itself included, in member order)."""
-        return next(g for g in self.parity_groups if member in g)
+        return self._parity_of[member]
+
+    @cached_property
+    def _parity_of(self) -> dict[int, tuple[int, ...]]:
+        return {m: g for g in self.parity_groups for m in g}
 
     def summary(self, scheme: str, aor: bool = False) -> str:
         """One line: the group, its nodes and who keeps whose copy (global ranks)."""
