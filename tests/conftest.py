@@ -71,4 +71,4 @@ def shm_store():
     yield s
     s.close()
     handover.release()
-    ShmSegment.remove_job(f"{job}-node0", base_dir="/dev/shm")
+    ShmSegment.remove_job(s.job, base_dir="/dev/shm")

@@ -259,9 +259,10 @@ class Generation:
         client that forged them stand in for a peer (whose objects are unpickled)."""
         from reft_ext.cluster.signed_store import SignedStore
 
-        # gloo connects a group's pairs on first use, not as a full mesh (W - 1 peers
-        # per rank, W^2 store reads per generation: docs/scale.md "Recovery at scale")
-        os.environ.setdefault(LAZY_GLOO, "1")
+        # TORCH_GLOO_LAZY_INIT=1 (LAZY_GLOO, the user's to set) connects a group's pairs on
+        # first use instead of a full mesh (W^2 store reads per generation: docs/scale.md
+        # "Recovery at scale"); not the default yet: with it, a kill in iteration 1 took the
+        # survivor to a new process too (tests/integration/test_inprocess_startup.py)
         prefix = key(f"g{self.gen}", "pg")
         store = self.client("pg", timeout.total_seconds())
         # bound to the generation: one copied from an older one's keys is said as a replay

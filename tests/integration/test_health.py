@@ -159,7 +159,8 @@ def test_handover_note_is_read_once(tmp_path):
     from reft_ext.load.reshard import take_handover, write_handover
 
     path = write_handover(str(tmp_path), "j", rank=2, node=2, world_size=3)
-    assert os.path.basename(os.path.dirname(path)) == "reft-j-node2.meta"  # private side dir
+    # the private side dir, under the job's private parent (reft-<job>/node<n>.meta)
+    assert os.path.relpath(os.path.dirname(path), tmp_path) == os.path.join("reft-j", "node2.meta")
     assert os.path.basename(path).startswith("handover-")
     assert take_handover(str(tmp_path), "j") == {"rank": 2, "node": 2, "world_size": 3}
     assert take_handover(str(tmp_path), "j") is None and not os.listdir(tmp_path)

@@ -613,7 +613,8 @@ def test_the_checker_sees_a_bare_python():
 FOREIGN_FLAGS = {
     "srun/sbatch": {"--jobid", "--overlap", "--ntasks-per-node", "--label", "--exclude",
                     "--kill-on-bad-exit", "--no-kill", "--node-timeout", "--requeue",
-                    "--signal"},
+                    "--signal", "--gpu-bind"},
+    "nvidia-smi": {"--query-compute-apps", "--format"},
     "pip": {"--no-build-isolation"},
     "setup.py build_ext": {"--build-lib", "--build-temp"},
     "hipcc": {"--offload-arch"},

@@ -99,7 +99,7 @@ def test_the_next_store_waits_for_the_reader_before_claiming(store):
     reader.start()
     store.hand_over(reader=reader)
     done = []
-    new = SnapshotStore(store.job.rsplit("-node", 1)[0], 0, 0, "/dev/shm", slots=2)
+    new = SnapshotStore(store.job.rsplit("/node", 1)[0], 0, 0, "/dev/shm", slots=2)
     t = threading.Thread(target=lambda: done.append(new.reserve(4 * N)), daemon=True)
     t.start()
     time.sleep(0.3)
