@@ -32,7 +32,7 @@ def recipe(target: str, **make_vars: str) -> str:
                                                           make_vars.items())],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("mkdir -p"))
+    first = next(i for i, line in enumerate(lines) if line.startswith(("mkdir -p", ".venv/bin/python tools/run_log.py --mkdir")))
     return "\n".join(lines[first:])
 
 

@@ -71,10 +71,13 @@ def test_the_background_reservation_locks_for_the_callers_device(store, monkeypa
     locked = []
     monkeypatch.setattr(ShmSegment, "pin", lambda seg, device=None: locked.append(
         (threading.current_thread().name, device)) or True)
+    # the thread sets the rank's device first (tests/unit/test_page_lock_device.py): no CUDA here
+    set_on = []
+    monkeypatch.setattr(slots.torch.cuda, "set_device", lambda d: set_on.append(d))
     store.pin_slots = True
     store.reserve(NBYTES, background=True)
     store.release_slots()
     store._creator.join(30)
     store.begin(NBYTES)  # (the recorder leaves it unlocked: begin() locks it again)
     assert locked[:2] == [("reft-shm-reserve", 3), ("reft-shm-reserve", 3)]
-    assert {dev for _, dev in locked} == {3}
+    assert {dev for _, dev in locked} == {3} and set_on == [3]
