@@ -12,7 +12,7 @@ FALLBACK = "megatron-core: Transformer Engine and Apex are not installed, so it 
 RAW = ("Apex is not installed. Falling back", "Transformer Engine and Apex are not installed. "
        "Falling back", "full scope is deprecated")
 INTERVAL = re.compile(r"\[REFT\] snapshots of iterations? (\d+)(?:-(\d+))?: (\d+) x \d+ bytes "
-                      r".*; training blocked [\d.]+ ms median, [\d.]+ ms max; copy [\d.]+ ms "
+                      r".*(?:; |, of it )training blocked [\d.]+ ms median, [\d.]+ ms max; copy [\d.]+ ms "
                       r"median, [\d.]+ ms max \(median: rank 0, max: (slowest rank|rank 0)\)")
 EACH = re.compile(r"\[REFT\] snapshot iteration (\d+): \d+ bytes on \d+ ranks .*; training "
                   r"blocked [\d.]+ ms, copy [\d.]+ ms \((slowest rank|rank 0)\), committed")
