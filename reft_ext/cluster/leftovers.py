@@ -18,7 +18,8 @@ from reft_ext.cluster import status
 from reft_ext.store import paths
 
 
-def _size(path: str) -> int:
+def size(path: str) -> int:
+    """Bytes of RAM the files below ``path`` take (their blocks; links not followed)."""
     total = 0
     for root, _, files in os.walk(path):
         for f in files:
@@ -63,7 +64,7 @@ def jobs(shm_dir: str) -> list[dict]:
         nodes = sorted(int(n[4:]) for n in names if n[4:].isdigit())
         its = [r.get("iteration") for r in status.read_job(shm_dir, job)]
         its = [i for i in its if isinstance(i, int)]
-        out.append({"job": job, "path": parent, "bytes": _size(parent), "nodes": nodes,
+        out.append({"job": job, "path": parent, "bytes": size(parent), "nodes": nodes,
                     "iteration": max(its) if its else None, "pids": users(parent)})
     return out
 
@@ -78,6 +79,6 @@ def remove(shm_dir: str, job: str) -> str:
     pids = users(parent)
     if pids:
         return f"{parent}: in use by pid(s) {pids} (a running job): left alone"
-    size = _size(parent)
+    nbytes = size(parent)
     shutil.rmtree(parent)
-    return f"removed {parent} ({size / 2**20:.1f} MiB of host memory)"
+    return f"removed {parent} ({nbytes / 2**20:.1f} MiB of host memory)"

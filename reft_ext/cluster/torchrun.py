@@ -74,13 +74,9 @@ def host_memory_note(job: str, shm_dir: str | None) -> str | None:
     parent = paths.job_parent(shm_dir, job)
     if paths.private_problem(parent) is not None:
         return None
-    size = 0
-    for root, _, files in os.walk(parent):
-        for f in files:
-            try:
-                size += os.lstat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                pass
+    from reft_ext.cluster.leftovers import size as ram_of
+
+    size = ram_of(parent)
     return (f"[REFT] host memory of job {job} kept: {parent} ({size / 2**20:.1f} MiB of "
             f"RAM). The same command with the same --save resumes from it; python "
             f"tools/reft_status.py --clean --job {job} --reft-shm-dir {shm_dir} removes it")
