@@ -2,13 +2,20 @@
 GPU-like regime (many parameters, few tokens per iteration: a blocking copy of the state
 costs a large share of an iteration, as over PCIe next to a GPU).
 
-    python benchmarks/bench_overhead.py [--rounds 4] [--block 4] [--cases default,gpu-like]
+    python benchmarks/bench_overhead.py [--rounds 6] [--iters 50]        # as a user
+    python benchmarks/bench_overhead.py --in-process [--rounds 4] [--block 4] [--cases ...]
 
-The two jobs of issue 57 are the default cases: `make run`'s job (REFT HAS vs none) and
-the GPU-like regime (HAS vs end-of-iteration vs none); ``--cases pp2,dp2,pp2dp2`` the
-older ones. Each case prints the host's load average before and after (the host may be
-shared: the ratios are paired per round for that reason; more ``--rounds`` settle a noisy
-host).
+By default the two jobs of issue 57 are measured as a user measures them
+(benchmarks/overhead_jobs.py): `make run`'s job with and without its --reft-* flags, and
+the GPU-like regime with HAS, with the blocking end-of-iteration copy and without REFT,
+as separate torchrun runs taking turns, each timed by Megatron's own log line; paired
+ratios per round, medians over rounds.
+
+``--in-process`` is the finer instrument (below): every method in the same processes,
+taking turns in blocks of iterations, with the blocking time of each; ``--cases
+pp2,dp2,pp2dp2`` the older cases. Each case prints the host's load average before and
+after (the host may be shared: the ratios are paired per round for that reason; more
+``--rounds`` settle a noisy host).
 
 Per case one torchrun; inside it every method takes turns in blocks of ``--block``
 iterations (A A A A B B B B ... repeated ``--cycles`` times; see overhead_probe.py), so all
@@ -204,14 +211,27 @@ def table(name: str, res: dict, cycles: int) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", "--cycles", dest="cycles", type=int, default=4,
+    ap.add_argument("--in-process", action="store_true",
+                    help="every method inside one job per case, in blocks (overhead_probe.py)")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=FLAGS",
+                    help="(as a user) another variant: the REFT run with these flags, e.g. "
+                         "keep3='--reft-keep 3' (repeatable)")
+    ap.add_argument("--iters", type=int, default=50,
+                    help="(as a user) iterations per job; the first 10 are not counted")
+    ap.add_argument("--rounds", "--cycles", dest="cycles", type=int, default=None,
                     help="rounds: every method runs one block per round, in turn (more "
                          "rounds settle a noisy host)")
     ap.add_argument("--block", type=int, default=4,
                     help="iterations per method and round (the first is not counted)")
     ap.add_argument("--cases", default="default,gpu-like",
                     help=f"comma list of {', '.join(CASES)}")
+    ap.add_argument("--methods", default=None,
+                    help="comma list replacing each case's methods (e.g. none,has-arc,"
+                         "has-arc+aor@k3: @kN runs it with --reft-keep N); 'none' first")
     a = ap.parse_args()
+    if not a.in_process:
+        return as_user(a)
+    a.cycles = a.cycles or 4
     if a.cycles < 1 or a.block < 2:
         sys.exit("error: --rounds must be >= 1 and --block >= 2 (a block's first iteration "
                  "is not counted)")
@@ -219,6 +239,9 @@ def main():
         if name not in CASES:
             sys.exit(f"error: --cases: unknown case {name!r} (known: {', '.join(CASES)})")
     cases = a.cases.split(",")
+    if a.methods:
+        for name in cases:
+            CASES[name]["methods"] = a.methods.split(",")
     with Progress(len(cases), "bench_overhead", unit="case") as bar:
         for name in cases:
             bar.write(f"running {name} ...", file=sys.stderr)
@@ -230,6 +253,40 @@ def main():
             bar.update()
             with bar.paused():
                 table(name, res, a.cycles)
+
+
+def as_user(a) -> None:
+    """Issue 57's jobs as separate runs taking turns (overhead_jobs.py)."""
+    import overhead_jobs
+
+    rounds = a.cycles or 6
+    cases = [c for c in a.cases.split(",")]
+    bad = [c for c in cases if c not in ("default", "gpu-like")]
+    if bad or rounds < 1 or a.iters < 20:
+        sys.exit(f"error: as a user: --cases of default, gpu-like (not {', '.join(bad)}; "
+                 f"--in-process for the others), --rounds >= 1, --iters >= 20")
+    also = {}
+    for item in a.also:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            sys.exit(f"error: --also: expected NAME=FLAGS, got {item!r}")
+        also[k] = v.split()
+    runs = sum(len(overhead_jobs.jobs(a.iters)[c][1]) + len(also) for c in cases) * rounds
+    with Progress(runs, "bench_overhead", unit="run") as bar:
+        for name in cases:
+            bar.write(f"running {name} ({rounds} rounds) ...", file=sys.stderr)
+            load0, t0 = os.getloadavg()[0], time.time()
+            res = overhead_jobs.ab(name, rounds, a.iters, bar, also)
+            load = (f"{load0:.1f} before, {os.getloadavg()[0]:.1f} after "
+                    f"({time.time() - t0:.0f} s, {os.cpu_count()} cores)")
+            with bar.paused():
+                print(overhead_jobs.table(name, res, load), flush=True)
+                r = res["ratios"]
+                if name == "default":
+                    print(f"REFT/none {r['reft']:.3f} (target <= 1.03)")
+                else:
+                    print(f"has/none {r['has']:.3f} (target <= 1.03), end-of-iteration/none "
+                          f"{r['end-of-iteration']:.3f} (the regime is real at >= 1.08)")
 
 
 if __name__ == "__main__":

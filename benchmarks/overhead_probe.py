@@ -53,12 +53,13 @@ JOB = os.environ.get("BENCH_JOB") or f"bench{os.environ.get('TORCHELASTIC_RUN_ID
 
 
 class Reft:
-    def __init__(self, trainer, adapter, schedule, protect, shared=None, concurrent=None):
-        # one snapshotter per protection, shared by the schedules (activate() gives it
-        # this method's schedule)
+    def __init__(self, trainer, adapter, schedule, protect, shared=None, concurrent=None,
+                 keep=0):
+        # one snapshotter per protection (and --reft-keep), shared by the schedules
+        # (activate() gives it this method's schedule)
         self.snap = shared or ReftSnapshotter(
             ReftConfig(snapshot_every=1, protect=protect, ranks_per_node=1, schedule="has",
-                       job_id=f"{JOB}-{protect}"), adapter, trainer.events)
+                       keep=keep, job_id=f"{JOB}-{protect}-k{keep}"), adapter, trainer.events)
         self.schedule, self.concurrent = schedule, concurrent
         self.auto = self.snap.concurrent_tier2
 
@@ -259,11 +260,14 @@ def main():
         elif n == "mcore-async":
             methods[n] = McoreAsync(trainer)
         else:
-            schedule, prot = n.split("-", 1) if n.startswith("has-") else (n, protect)
+            base, _, keep = n.partition("@k")  # has-arc@k3: with --reft-keep 3
+            schedule, prot = base.split("-", 1) if base.startswith("has-") else (base, protect)
             concurrent = prot.endswith("-concurrent")  # has-X-concurrent: tier 2 beside compute
             prot = prot.removesuffix("-concurrent").replace("+", ",")  # has-arc+aor
-            m = Reft(trainer, adapter, schedule, prot, shared.get(prot), concurrent)
-            shared.setdefault(prot, m.snap)
+            key = f"{prot}@k{keep or 0}"
+            m = Reft(trainer, adapter, schedule, prot, shared.get(key), concurrent,
+                     int(keep or 0))
+            shared.setdefault(key, m.snap)
             methods[n] = m
     rot = Rotation(trainer, methods, block, group)
     trainer.hooks.append(rot)

@@ -58,6 +58,54 @@ uint64_t xxh3_64(const void* p, size_t n) {
 }
 
 namespace {
+#ifdef REFT_XXH_AVX2
+__attribute__((target("avx2"))) void xxh3_update_avx2(XXH3_state_t* s, const void* p, size_t n) {
+  XXH3_update(s, static_cast<const xxh_u8*>(p), n, XXH3_accumulate_avx2, XXH3_scrambleAcc_avx2);
+}
+#endif
+
+void xxh3_update(XXH3_state_t* s, const void* p, size_t n) {
+#ifdef REFT_XXH_AVX2
+  static const bool avx2 = best_isa() != Isa::Scalar;
+  if (avx2) return xxh3_update_avx2(s, p, n);
+#endif
+  XXH3_64bits_update(s, p, n);
+}
+
+// Host pieces that tile [0, zero_from) in order: each 64 KiB block is hashed from its
+// source right after it is copied, while it is in cache. Hashing the destination after
+// the copy read it back from memory (streaming stores leave it cold): a third pass over
+// the snapshot's bytes, which competes with training for memory bandwidth (issue 57).
+// The digest is the one-shot XXH3 of the unit's bytes (xxHash's streaming contract).
+constexpr size_t kFusedBlock = 64 << 10;
+
+bool tiles_host(const HashUnit& u) {
+  size_t at = 0;
+  for (const auto& p : u.pieces) {
+    if (p.device || p.dst_off != at) return false;
+    at += p.n;
+  }
+  return at == u.zero_from;
+}
+
+uint64_t copy_hash_fused(const HashUnit& u, Isa isa, bool nontemporal) {
+  XXH3_state_t st;
+  XXH3_64bits_reset(&st);
+  for (const auto& p : u.pieces)
+    for (size_t off = 0; off < p.n; off += kFusedBlock) {
+      const size_t n = std::min(kFusedBlock, p.n - off);
+      copy_range(u.dst + p.dst_off + off, p.src + off, n, isa, nontemporal);
+      xxh3_update(&st, p.src + off, n);
+    }
+  if (u.zero_from < u.len) {
+    std::memset(u.dst + u.zero_from, 0, u.len - u.zero_from);
+    xxh3_update(&st, u.dst + u.zero_from, u.len - u.zero_from);
+  }
+  return XXH3_64bits_digest(&st);
+}
+}  // namespace
+
+namespace {
 
 using Clock = std::chrono::steady_clock;
 
@@ -182,6 +230,10 @@ void work_units(Run& r) {
 #else
         throw std::runtime_error("a device piece, but reft_ext._C was built without CUDA");
 #endif
+      }
+      if (tiles_host(u)) {
+        r.digests[i] = copy_hash_fused(u, r.opt.isa, r.opt.nontemporal);
+        continue;
       }
       for (const auto& p : u.pieces)
         if (!p.device) copy_range(u.dst + p.dst_off, p.src, p.n, r.opt.isa, r.opt.nontemporal);

@@ -228,6 +228,10 @@ class NodeSignals:
         self.shm_dir, self.job, self.node, self.ranks = shm_dir, job, node, ranks
         self.leader, self.iteration = leader, None
         self.path = path(shm_dir, job, node)
+        # the side directory was checked private (once: a 0700 directory of this user
+        # cannot be swapped by another; checked again if it has gone). Two signals per
+        # snapshot each walked it from the root: ~0.5 ms of every iteration (issue 57)
+        self._dir_ok = False
 
     def set(self, state: str, iteration: int | None = None, detail: str = "") -> None:
         if not self.leader:
@@ -238,6 +242,13 @@ class NodeSignals:
                "iteration": self.iteration, "updated": time.time(), "detail": detail,
                "pid": os.getpid()}
         try:
+            if self._dir_ok:
+                try:
+                    write_atomic(self.path, json.dumps(rec), per_writer=True)
+                    return
+                except FileNotFoundError:  # the directory went (the job's cleanup)
+                    self._dir_ok = False
             _write(self.shm_dir, self.job, self.node, rec)
+            self._dir_ok = True
         except OSError:
             pass

@@ -43,7 +43,14 @@ from reft_ext.store.shm import ShmSegment, check_space, ensure_private_dir
 
 
 # ---- small metadata as JSON (RNG states, counters, scheduler) ------------------------
+_PLAIN = (int, float, str, bool, type(None))
+
+
 def to_jsonable(obj):
+    # a sequence of plain values is itself (Python's RNG state is 625 ints: one call per
+    # int was 1.4 ms of every snapshot's hand-over, issue 57)
+    if type(obj) in (tuple, list) and all(type(x) in _PLAIN for x in obj):
+        return {"__tuple__": list(obj)} if type(obj) is tuple else list(obj)
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         return {"__tensor__": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy()
@@ -158,6 +165,9 @@ class SnapshotStore:
         # caller's thread; the reservation thread's own would be 0 (a new thread's), a
         # context on another rank's GPU (or refused under EXCLUSIVE_PROCESS)
         self.device: int | None = None
+        # the commit pointer this store last wrote: begin() reads no file per iteration
+        # (a new process reads the file once)
+        self._pointer: dict | None = None
 
     def _name(self, slot: int, ext: str) -> str:
         return f"rank{self.rank}.slot{slot}.{ext}"
@@ -189,7 +199,7 @@ class SnapshotStore:
         """Open a slot for writing, never the committed one: an empty (or torn) slot
         first, else the oldest snapshot's. Its manifest goes first, so the slot reads as
         empty until :meth:`finish`."""
-        c = self.committed()
+        c = self._pointer if self._pointer is not None else self.committed()
         current = c.get("slot") if c and c.get("slot") in self.slots else None
         if current is None and c is None:
             # no readable pointer (a fresh store, or a corrupt one): keep the newest
@@ -363,6 +373,7 @@ class SnapshotStore:
         (reft_ext/store/commit.py says when that is)."""
         write_atomic(self._path(f"rank{self.rank}.committed"),
                      sealed({"slot": slot, "iteration": iteration}), durable=True)
+        self._pointer = {"slot": slot, "iteration": iteration}
 
     def discard_newer(self, iteration: int) -> None:
         """A rollback to ``iteration``: snapshots after it are dropped (their manifests go,
@@ -426,4 +437,5 @@ class SnapshotStore:
 
     def remove(self) -> None:
         self.close()
+        self._pointer = None
         ShmSegment.remove_job(self.job, base_dir=self.base_dir)

@@ -66,6 +66,22 @@ def test_digests_and_bytes_equal_the_reference(threads):
 
 
 @native
+@pytest.mark.parametrize("sizes", [[1], [200, 40], [240, 1], [65536], [65535, 2],
+                                   [3 * 65536 + 5, 17, 64 * 1024 * 3]])
+def test_copy_fused_with_its_hash_around_the_block_edges(sizes):
+    # host units are hashed block by block from their source as they are copied
+    # (csrc/copy_hash.cpp copy_hash_fused): XXH3's streaming digest of 64 KiB blocks,
+    # short inputs and the zeroed tail must be the one-shot digest of the written bytes
+    stream = StreamLayout(_tensors(len(sizes), sizes, dtypes=(torch.uint8,)))
+    for pad in (0, 3, 70000):
+        buf, spans = _spans(stream.nbytes, pad=pad)
+        got = RegionPipeline(stream, spans, lambda n: 1).run(range(len(spans)))
+        for (ref, want), (_, dst), digest in zip(_reference(stream, spans), spans, got):
+            assert torch.equal(dst, ref)
+            assert digest == want == chunk_digest(dst)
+
+
+@native
 def test_any_subset_in_any_order_and_offset_regions():
     stream = StreamLayout(_tensors(7, [5 * CHUNK // 2 + 3, 999, 2 * CHUNK]))
     base = CHUNK + 17  # a member's slice starts inside the stream (Region.OWN)

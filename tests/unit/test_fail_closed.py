@@ -136,3 +136,24 @@ def test_a_manifest_without_a_run_identity_is_refused(stores, tmp_path, gloo):
     assert why.startswith(f"--reft-flush-dir: {flush} holds flushed snapshots of another "
                           f"run ({os.path.join(flush, f'rank0.slot{slot}.json')} carries "
                           f"no run identity"), why
+
+
+def test_the_next_snapshot_never_takes_the_committed_slot_whatever_the_pointer_file_says(
+        stores):
+    # begin() takes the committed slot from what this store last wrote (no file read
+    # per iteration, issue 57): a pointer file torn afterwards (here: unsealed) changes
+    # nothing for this process, which keeps writing the other slot
+    st = stores()
+    s0 = _snapshot(st, 1)
+    _unseal(os.path.join(st.dir, "rank0.committed"))
+    assert st.committed() is None  # the file itself is refused ...
+    slot, _ = st.begin(64)
+    assert slot != s0  # ... and the committed snapshot is still kept
+    st.finish(slot, {"iteration": 2, "nbytes": 64, "meta": {}})
+    st.commit(slot, 2)
+    assert st.committed() == {"slot": slot, "iteration": 2}
+    assert st.begin(64)[0] == s0
+    # a new process's store (nothing written yet) reads the file
+    fresh = SnapshotStore(st.job.split("/")[0], 0, 0, "/dev/shm", slots=2)
+    assert fresh.begin(64)[0] == s0
+    fresh.close()

@@ -294,3 +294,28 @@ def test_long_job_ids_keep_a_hash_not_a_cut(tmp_path):
     assert ReftConfig(job_id=ja).job_id == ja  # stable when validated again
     assert ReftConfig(job_id="short/id").job_id.startswith("short_id-")  # + a hash
     assert ReftConfig(job_id="y" * 64).job_id == "y" * 64
+
+
+def test_signals_check_the_side_directory_once_and_again_when_it_went(shm):
+    # the directory is walked from the root at the first signal only (two signals per
+    # snapshot, every iteration: issue 57); one removed (the job's cleanup) is made
+    # again, private, at the next signal
+    sig = status.NodeSignals(shm, "sig", 0, [0, 1], leader=True)
+    calls = []
+    real = paths.ensure_side_dir
+    paths.ensure_side_dir = lambda *a: calls.append(a) or real(*a)
+    try:
+        sig.set(status.SNAP, detail="snapshot of iteration 1")
+        sig.set(status.COMPLETED, 1)
+        sig.set(status.SNAP, detail="snapshot of iteration 2")
+        assert len(calls) == 1
+        assert status.read(shm, "sig", 0)["state"] == "SNAP"
+        shutil.rmtree(os.path.dirname(paths.side_dir(shm, "sig", 0)))
+        sig.set(status.COMPLETED, 2)
+        assert len(calls) == 2
+    finally:
+        paths.ensure_side_dir = real
+    side = paths.side_dir(shm, "sig", 0)
+    assert os.lstat(side).st_mode & 0o777 == 0o700
+    rec = status.read(shm, "sig", 0)
+    assert (rec["state"], rec["iteration"], rec["ranks"]) == ("COMPLETED", 2, [0, 1])

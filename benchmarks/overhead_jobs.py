@@ -1,0 +1,150 @@
+"""bench_overhead.py's A/B as a user runs it: the same job with and without REFT as
+separate torchrun runs taking turns (none, reft, none, reft, ...), each timed by the
+line Megatron prints every --log-interval ("elapsed time per iteration (ms)").
+
+Per run: the median of its log windows after the first WARMUP iterations (start-up,
+the first snapshots' slot creation and the allocator's warm-up are in those). Per round:
+each variant's median against the plain run's of the same round (neighbours in time:
+a host whose load drifts moves both). The figure is the median over the rounds.
+
+Jobs (issue 57):
+  default   `make run`'s job: its JOB_ARGS (read from the Makefile: the shipped corpus,
+            tiny Llama, PP2 x DP2 ZeRO-1, 4 ranks, --reft-protect arc,aor), without
+            --save/--load; "none" drops every --reft-* flag. Target reft/none <= 1.03.
+  gpu-like  the GPU-like regime: 4 layers, hidden 1024 (~300 MiB of state per rank),
+            8 tokens per micro-batch, PP2 on 2 ranks, --reft-protect none; HAS and the
+            blocking end-of-iteration copy. Targets: has/none <= 1.03 while
+            end-of-iteration/none >= 1.08 (the copy is a real share of the iteration).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOG_INTERVAL, WARMUP = 5, 10
+ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
+REFT_SNAP = ["--reft-snapshot-every", "1", "--reft-ranks-per-node", "1"]
+
+
+def make_run_args(makefile: str = os.path.join(REPO, "Makefile")) -> list[str]:
+    """JOB_ARGS of the Makefile (`make run`'s job), as a list."""
+    text = open(makefile).read()
+    m = re.search(r"^JOB_ARGS\s*=\s*((?:.*\\\n)*.*)$", text, re.M)
+    if not m:
+        raise RuntimeError(f"{makefile}: no JOB_ARGS")
+    return shlex.split(m.group(1).replace("\\\n", " "))
+
+
+def set_flag(args: list[str], flag: str, value: str | None) -> list[str]:
+    """``args`` with ``flag`` set to ``value`` (added if absent; removed if None)."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] == flag:
+            i += 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1
+            continue
+        out.append(args[i])
+        i += 1
+    return out + ([flag, value] if value is not None else [])
+
+
+def without_reft(args: list[str]) -> list[str]:
+    """Every --reft-* flag (and its value) dropped: the plain run."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i].startswith("--reft-"):
+            i += 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def jobs(iters: int) -> dict:
+    """name -> (nproc, {variant: argv}); "none" first."""
+    base = make_run_args()
+    for flag, value in (("--train-iters", str(iters)), ("--log-interval", str(LOG_INTERVAL)),
+                        ("--eval-interval", str(10 * iters)), ("--eval-iters", "0"),
+                        ("--save-interval", None)):
+        base = set_flag(base, flag, value)
+    gpu = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
+           "--num-query-groups", "16", "--ffn-hidden-size", "2816", "--seq-length", "8",
+           "--max-position-embeddings", "8", "--mock-data", "--tokenizer-type",
+           "NullTokenizer", "--vocab-size", "2048", "--micro-batch-size", "1",
+           "--global-batch-size", "2", "--pipeline-model-parallel-size", "2",
+           "--lr", "1e-4", "--lr-warmup-iters", "2", "--train-iters", str(iters),
+           "--log-interval", str(LOG_INTERVAL), "--eval-iters", "0",
+           "--hidden-dropout", "0", "--attention-dropout", "0"]
+    snap = REFT_SNAP + ["--reft-protect", "none"]
+    return {
+        "default": (4, {"none": without_reft(base), "reft": base}),
+        "gpu-like": (2, {"none": gpu,
+                         "has": gpu + snap + ["--reft-schedule", "has"],
+                         "end-of-iteration": gpu + snap +
+                         ["--reft-schedule", "end-of-iteration"]}),
+    }
+
+
+def run_job(nproc: int, argv: list[str], tag: str, timeout: float = 900) -> list[float]:
+    """One torchrun of pretrain_llama.py; the log windows' ms per iteration after the
+    warm-up. The job's own host memory is removed afterwards."""
+    job = f"ab{os.getpid()}{tag}"
+    cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.join(REPO, "pretrain_llama.py"), *argv]
+    if any(a.startswith("--reft-") for a in argv):
+        cmd += ["--reft-job-id", job]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    finally:
+        shutil.rmtree(os.path.join("/dev/shm", f"reft-{job}"), ignore_errors=True)
+    if proc.returncode:
+        sys.exit(f"{tag} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                 f"{proc.stderr[-3000:]}")
+    out = [float(ms) for it, ms in ELAPSED.findall(proc.stdout) if int(it) > WARMUP]
+    if not out:
+        sys.exit(f"{tag}: no 'elapsed time per iteration' line after iteration {WARMUP}:\n"
+                 f"{proc.stdout[-3000:]}")
+    return out
+
+
+def ab(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -> dict:
+    """{variant: [median ms of each round's run]} and the paired ratios. ``also``: more
+    variants, name -> flags added to the job's REFT run (e.g. {"keep3": ["--reft-keep",
+    "3"]})."""
+    nproc, variants = jobs(iters)[name]
+    reft = variants.get("reft", variants.get("has"))
+    variants = dict(variants, **{k: reft + v for k, v in (also or {}).items()})
+    med = {v: [] for v in variants}
+    for r in range(rounds):
+        for v, argv in variants.items():
+            med[v].append(statistics.median(run_job(nproc, argv, f"{name}-{v}-{r}")))
+            if bar is not None:
+                bar.update()
+    ratios = {v: statistics.median(x / p for x, p in zip(med[v], med["none"]))
+              for v in variants if v != "none"}
+    return {"medians": med, "ratios": ratios, "nproc": nproc}
+
+
+def table(name: str, res: dict, load: str) -> str:
+    med, ratios = res["medians"], res["ratios"]
+    rounds = len(med["none"])
+    lines = [f"\n## {name} (as a user runs it: {rounds} rounds, separate jobs taking turns, "
+             f"{res['nproc']} ranks)", f"host load average (1 min): {load}",
+             "| job | median ms/iter | ratio to none (paired, median over rounds) | "
+             "medians per round |", "|---|---|---|---|"]
+    for v, xs in med.items():
+        ratio = "-" if v == "none" else f"{ratios[v]:.3f}"
+        lines.append(f"| {v} | {statistics.median(xs):.1f} | {ratio} | "
+                     + " ".join(f"{x:.0f}" for x in xs) + " |")
+    if len(med["none"]) > 1:
+        lines.append(f"noise: the plain run's medians differ by up to "
+                     f"{100 * (max(med['none']) / min(med['none']) - 1):.1f}% between rounds")
+    return "\n".join(lines)
