@@ -100,6 +100,10 @@ def run_job(nproc: int, argv: list[str], tag: str, timeout: float = 900) -> list
     if any(a.startswith("--reft-") for a in argv):
         cmd += ["--reft-job-id", job]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    for a in [a for a in argv if a.startswith("ENV:")]:  # (--also x=ENV:NAME=VALUE)
+        k, _, v = a[4:].partition("=")
+        env[k] = v
+        cmd.remove(a)
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout)

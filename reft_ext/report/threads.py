@@ -20,9 +20,3 @@ def join_or_warn(thread: threading.Thread, timeout_s: float, what: str, **fields
          thread=thread.name, what=what, timeout_s=timeout_s, **fields)
     return False
 
-
-def background() -> None:
-    """(experiment) the calling thread runs only on CPU time nobody else wants."""
-    import os
-    if os.environ.get("REFT_BG_IDLE") == "1":
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

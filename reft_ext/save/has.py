@@ -78,6 +78,8 @@ class Batch:
     meta: dict | None = None
     split: object = None
     fault_checked: bool = False
+    sums: dict | None = None  # the regions' checksums, once sealed (early_seal.py)
+    agreement: object = None  # the job-wide commit's all-reduce, once posted
 
     @property
     def finished(self) -> bool:
@@ -89,6 +91,9 @@ class HasWorker:
 
     def __init__(self, trace: Trace, on_error: Callable[[BaseException], None] | None = None):
         self.trace = trace
+        # called on this thread with a batch whose last units it just ran, before the
+        # batch reads finished (the snapshotter's early seal: reft_ext/save/early_seal.py)
+        self.on_done: Callable[[Batch], None] | None = None
         self._cv = threading.Condition()
         self._batch: Batch | None = None
         self._next = 0           # first unit not yet started (units run in list order ...)
@@ -211,6 +216,10 @@ class HasWorker:
                     batch.digests.setdefault(u.region, {})[u.index] = digest
                 batch.by_how[how] += nbytes
                 batch.busy_s += (t1 - t0) / 1e6
+                last = batch.done + len(units) == len(batch.units)
+            if last and self.on_done is not None:
+                self.on_done(batch)  # (its own errors leave the seal to the step)
+            with self._cv:
                 batch.done += len(units)
                 if batch.finished:
                     self._cv.notify_all()

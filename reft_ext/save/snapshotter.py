@@ -33,6 +33,7 @@ from reft_ext.save.schedules import EndOfIteration, make_schedule
 from reft_ext.save.tiers import Bandwidth, concurrent_tier2
 from reft_ext.state.identity import stamp
 from reft_ext.cluster import status as node_status
+from reft_ext.save.early_seal import EarlySeal, commit_group
 from reft_ext.store.commit import Committer
 from reft_ext.store.slots import SnapshotStore, to_jsonable
 from reft_ext.report.summary import Window
@@ -117,7 +118,8 @@ class ReftSnapshotter:
                          "protection": self.protection.name,
                          "replica_of": self.protection.replica_of(self.member),
                          "layout": self.layout.signature(), "nbytes": self.nbytes},
-            self.regions, adapter.control_group, self.identity,
+            self.regions, commit_group() if cfg.enabled and not cfg.local_commits else
+            adapter.control_group, self.identity,
             getattr(adapter, "run_id", None), self.aor, local=cfg.local_commits)
         # snapshot units: one native thread (a unit is one 4 MiB chunk), CPU sources only
         tensors = self.layout.replicated.tensors + self.layout.owned.tensors
@@ -156,6 +158,8 @@ class ReftSnapshotter:
         self.schedule = make_schedule(cfg.schedule if cfg.enabled else EndOfIteration.name,
                                       self.events, self.bandwidth, self.pipeline,
                                       self.concurrent_tier2, device=not cpu)
+        if hasattr(self.schedule, "worker"):  # sealed, agreement posted, by its thread
+            self.schedule.worker.on_done = EarlySeal(self.committer)
         # last: its reservation thread is the only thing a refused start must stop
         # (ReftSession.release_start), so nothing after it may fail
         self._check_memory()
@@ -344,12 +348,13 @@ class ReftSnapshotter:
     def _finish(self, wait_s: float | None) -> None:
         """Seal the snapshot in flight, commit it, say so (rank 0)."""
         batch, self.pending = self.pending, None
-        sums = self.committer.seal(batch.slot, batch.iteration, batch.digests, batch.meta)
+        sums = batch.sums if batch.sums is not None else \
+            self.committer.seal(batch.slot, batch.iteration, batch.digests, batch.meta)
         self.bandwidth.record(self.nbytes, batch.busy_s)  # bytes/s of the copy + hash
         blocked = batch.busy_s if wait_s is None else wait_s
         with self.events.span("snapshot-commit", "snapshot", iteration=batch.iteration):
             t0 = time.perf_counter()
-            self.committer.commit(batch.slot, batch.iteration)
+            self.committer.commit(batch.slot, batch.iteration, batch.agreement)
             if not self.committer.local:
                 self.peer_wait_s += time.perf_counter() - t0
         self.signals.set(node_status.COMPLETED, batch.iteration)

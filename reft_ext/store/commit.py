@@ -25,7 +25,9 @@ then its commit pointer moves.
      all-reduce over the job; it returns only when every rank has sealed this
      iteration, and only then does each rank move its pointer. REFT-load takes the
      newest pointer (every rank has sealed it). One collective of the whole job per
-     snapshot: what local commits remove (docs/scale.md).
+     snapshot: what local commits remove (docs/scale.md). Under a threaded schedule the
+     snapshot thread seals and posts it as soon as the last chunk is copied
+     (reft_ext/save/early_seal.py); the pointer still moves at the step.
 """
 
 from __future__ import annotations
@@ -84,11 +86,17 @@ class Committer:
         self.store.finish(slot, self.manifest(iteration, sums, meta))
         return sums
 
-    def commit(self, slot: int, iteration: int) -> None:
+    def commit(self, slot: int, iteration: int, agreement=None) -> None:
         """The new snapshot becomes this rank's commit. Job-wide commits first wait for
-        every rank of the job to have sealed it (the all-reduce returns only then)."""
+        every rank of the job to have sealed it (the all-reduce returns only then);
+        ``agreement``: that all-reduce, posted already by the snapshot thread when it
+        sealed the slot (reft_ext/save/early_seal.py)."""
         if not self.local:
-            torch.distributed.all_reduce(torch.zeros(1, dtype=torch.int64), group=self.group)
+            if agreement is not None:
+                agreement.wait()
+            else:
+                torch.distributed.all_reduce(torch.zeros(1, dtype=torch.int64),
+                                             group=self.group)
         # (tests) sealed, pointer not moved. Job-wide: every rank has sealed the
         # iteration, some pointers moved and others not (REFT-load takes the newest:
         # every rank holds it). Local: this rank's pointer lags (REFT-load takes the

@@ -154,8 +154,6 @@ class AORTransport(TransportStartup, OwnerSend):
             self._init_send = None
 
     def _run(self) -> None:
-        from reft_ext.report.threads import background
-        background()
         while True:
             item = self._q.get()
             try:
