@@ -260,7 +260,7 @@ def as_user(a) -> None:
     import overhead_jobs
 
     rounds = a.cycles or 6
-    cases = [c for c in a.cases.split(",")]
+    cases = a.cases.split(",")
     bad = [c for c in cases if c not in ("default", "gpu-like")]
     if bad or rounds < 1 or a.iters < 20:
         sys.exit(f"error: as a user: --cases of default, gpu-like (not {', '.join(bad)}; "

@@ -42,28 +42,26 @@ def make_run_args(makefile: str = os.path.join(REPO, "Makefile")) -> list[str]:
     return shlex.split(m.group(1).replace("\\\n", " "))
 
 
-def set_flag(args: list[str], flag: str, value: str | None) -> list[str]:
-    """``args`` with ``flag`` set to ``value`` (added if absent; removed if None)."""
+def _drop(args: list[str], drop) -> list[str]:
+    """``args`` without each flag ``drop(flag)`` is true of, and its value if it has one."""
     out, i = [], 0
     while i < len(args):
-        if args[i] == flag:
-            i += 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1
-            continue
-        out.append(args[i])
-        i += 1
-    return out + ([flag, value] if value is not None else [])
-
-
-def without_reft(args: list[str]) -> list[str]:
-    """Every --reft-* flag (and its value) dropped: the plain run."""
-    out, i = [], 0
-    while i < len(args):
-        if args[i].startswith("--reft-"):
+        if drop(args[i]):
             i += 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1
             continue
         out.append(args[i])
         i += 1
     return out
+
+
+def set_flag(args: list[str], flag: str, value: str | None) -> list[str]:
+    """``args`` with ``flag`` set to ``value`` (added if absent; removed if None)."""
+    return _drop(args, lambda a: a == flag) + ([flag, value] if value is not None else [])
+
+
+def without_reft(args: list[str]) -> list[str]:
+    """Every --reft-* flag (and its value) dropped: the plain run."""
+    return _drop(args, lambda a: a.startswith("--reft-"))
 
 
 def jobs(iters: int) -> dict:

@@ -57,8 +57,9 @@ def read(shm_dir: str, job: str, node: int) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
-def _write(shm_dir: str, job: str, node: int, rec: dict) -> None:
-    paths.ensure_side_dir(shm_dir, job, node)
+def _write(shm_dir: str, job: str, node: int, rec: dict, dir_checked: bool = False) -> None:
+    if not dir_checked:
+        paths.ensure_side_dir(shm_dir, job, node)
     # per writer: the launcher and a rank may race
     write_atomic(path(shm_dir, job, node), json.dumps(rec), per_writer=True)
 
@@ -244,7 +245,7 @@ class NodeSignals:
         try:
             if self._dir_ok:
                 try:
-                    write_atomic(self.path, json.dumps(rec), per_writer=True)
+                    _write(self.shm_dir, self.job, self.node, rec, dir_checked=True)
                     return
                 except FileNotFoundError:  # the directory went (the job's cleanup)
                     self._dir_ok = False

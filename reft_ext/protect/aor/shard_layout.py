@@ -136,8 +136,7 @@ def wsum64(pieces) -> int:
             continue
         dev = words.device
         ramp = _ramp(dev)
-        s1, s2 = acc.setdefault(dev, (torch.zeros((), dtype=torch.int64, device=dev),
-                                      torch.zeros((), dtype=torch.int64, device=dev)))
+        s1, s2 = _sums(acc, dev)
         s1 += words.sum(dtype=torch.int64)
         lo, n = 0, words.numel()
         while lo < n:
@@ -154,10 +153,7 @@ def wsum64(pieces) -> int:
                                    device=dev)
                 s2 += per_row.mul_(odd).sum()
             lo, pos = lo + k, pos + k
-    t1 = t2 = 0
-    for s1, s2 in acc.values():
-        t1, t2 = t1 + int(s1), t2 + int(s2)
-    return (t1 + 0x9E3779B97F4A7C15 * (t2 & _MASK64) + pos) & _MASK64
+    return _combine(acc, pos)
 
 
 WSUM_BLOCK = 8  # whole chunks per kernel group of wsum64 (its int64 temporary: 8 x 8 MiB)
@@ -170,6 +166,22 @@ def _words(t):
     if t.element_size() != 4 or not t.is_contiguous():
         raise ValueError(f"wsum64: 4-byte contiguous tensors only, got {t.dtype}")
     return t.view(-1).view(torch.int32)
+
+
+def _sums(acc: dict, dev):
+    """(s1, s2) of ``dev``: int64 zeros on it, made at its first piece."""
+    if dev not in acc:
+        acc[dev] = (torch.zeros((), dtype=torch.int64, device=dev),
+                    torch.zeros((), dtype=torch.int64, device=dev))
+    return acc[dev]
+
+
+def _combine(acc: dict, pos: int) -> int:
+    """The checksum from every device's (s1, s2) and the words' count (one sync each)."""
+    t1 = t2 = 0
+    for s1, s2 in acc.values():
+        t1, t2 = t1 + int(s1), t2 + int(s2)
+    return (t1 + 0x9E3779B97F4A7C15 * (t2 & _MASK64) + pos) & _MASK64
 
 
 def _ramp(dev):
@@ -186,8 +198,7 @@ def wsum64_reference(pieces) -> int:
         if words is None:
             continue
         dev = words.device
-        s1, s2 = acc.setdefault(dev, (torch.zeros((), dtype=torch.int64, device=dev),
-                                      torch.zeros((), dtype=torch.int64, device=dev)))
+        s1, s2 = _sums(acc, dev)
         lo = 0
         while lo < words.numel():
             c, at = divmod(pos, WSUM_CHUNK)
@@ -196,10 +207,7 @@ def wsum64_reference(pieces) -> int:
             s1 += w.sum()
             s2 += (w * _ramp(dev)[at:at + n]).sum() * (2 * c + 1)
             lo, pos = lo + n, pos + n
-    t1 = t2 = 0
-    for s1, s2 in acc.values():
-        t1, t2 = t1 + int(s1), t2 + int(s2)
-    return (t1 + 0x9E3779B97F4A7C15 * (t2 & _MASK64) + pos) & _MASK64
+    return _combine(acc, pos)
 
 
 def copy_flat(src: list, out: torch.Tensor, non_blocking: bool = False) -> None:
