@@ -177,6 +177,10 @@ def _staging(rank: int, store: str, out: str) -> None:
         results["sp"] = sp
         with open(f"{out}.{rank}", "w") as f:
             json.dump(results, f)
+        # both ranks done with every collective before either tears gloo down: once in
+        # a fresh-clone CI run rank 0 ended by SIGABRT ("terminate called without an
+        # active exception") as its peer destroyed the group
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
