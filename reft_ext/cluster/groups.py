@@ -23,11 +23,19 @@ is exercised on a GPU.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 
 import torch
 
 BACKEND = "reft_gloo"  # the registered backend name (torch lower-cases it)
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"  # torch's switch, read as each gloo group is made
+ENV_EAGER_MAX = "REFT_GLOO_EAGER_MAX"
+# groups of up to this many ranks connect every pair when made (at most 63 connections
+# per rank, whatever the job's size); larger ones (the job-wide control groups) on first
+# use: a full mesh is W-1 sockets per rank and W^2 store reads per generation
+EAGER_MAX = 64
+_env_lock = threading.Lock()
 
 _module = None
 _why_not = ""
@@ -54,10 +62,35 @@ def why_unavailable() -> str:
     return _why_not
 
 
+def eager_max() -> int:
+    """The largest group connected in full when made (``REFT_GLOO_EAGER_MAX``)."""
+    raw = os.environ.get(ENV_EAGER_MAX, "")
+    try:
+        return int(raw) if raw else EAGER_MAX
+    except ValueError:
+        raise ValueError(f"{ENV_EAGER_MAX}={raw!r}: must be a whole number of ranks") \
+            from None
+
+
+def gloo_group(store, rank: int, size: int, timeout: datetime.timedelta):
+    """A ProcessGroupGloo, its pairs connected now up to :func:`eager_max` ranks and on
+    first use beyond. Why not lazily everywhere: a survivor whose first message to a
+    peer that died before it is the pair's listening end waits for gloo's timeout, which
+    nothing can wake (gloo #520; the supervisor's abort timeout then replaces it as a
+    new process). A user's own TORCH_GLOO_LAZY_INIT applies to every group."""
+    with _env_lock:  # the switch is process-wide: one group at a time
+        if LAZY_GLOO in os.environ:
+            return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+        os.environ[LAZY_GLOO] = "1" if size > eager_max() else "0"
+        try:
+            return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+        finally:
+            del os.environ[LAZY_GLOO]
+
+
 def _create(store, rank: int, size: int, timeout: datetime.timedelta):
     """torch's creator for ``reft_gloo``: gloo, wrapped."""
-    inner = torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
-    return _module.wrap(inner, BACKEND)
+    return _module.wrap(gloo_group(store, rank, size, timeout), BACKEND)
 
 
 def register() -> bool:
@@ -127,9 +160,8 @@ def reconfigure(init_store, timeout: datetime.timedelta) -> int:
     for pg in groups:
         store = store_for(pg, init_store)
         backend = pg._get_backend(torch.device("cpu"))
-        inner = torch.distributed.ProcessGroupGloo(
-            torch.distributed.PrefixStore("cpu/", store), backend.rank(), backend.size(),
-            timeout)
+        inner = gloo_group(torch.distributed.PrefixStore("cpu/", store), backend.rank(),
+                           backend.size(), timeout)
         retired.append(_module.inner(backend))
         _module.set_inner(backend, inner)
         name, _ = c10d._world.pg_map[pg]

@@ -37,10 +37,12 @@ store). A value without a valid tag is ignored, with one warning per key.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import hashlib
 import hmac
 import json
 import os
+import signal
 import secrets
 import threading
 import time
@@ -61,8 +63,8 @@ ENV_STORE = "REFT_INPROCESS_STORE"      # host:port of the supervisor's store
 ENV_GENERATION = "REFT_GENERATION"      # the generation this process joins first
 ENV_SECRET = "REFT_INPROCESS_SECRET"   # hex of the job's 32-byte HMAC key (never stored)
 PREFIX = "reft/ip"
-LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"       # torch's switch; a user's own value is kept
 POLL_S = 0.05                           # how often a rank looks for an abort
+STACKS_SIGNAL = signal.SIGUSR2          # the supervisor's "write your stacks" before a kill
 EXIT_UNSAFE_ABORT = 1                   # the watcher's exit where aborting failed
 
 def enabled() -> bool:
@@ -225,6 +227,9 @@ class Generation:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.gen = int(os.environ.get(ENV_GENERATION, "0"))
+        # a rank that does not stop after an abort is killed; its threads' stacks go to
+        # its log first (the supervisor sends STACKS_SIGNAL): where it hung, for the user
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)
         # NCCL's watchdog must not tear this process down on the errors our own abort
         # causes (torch's _abort_process_group note): the launch sets it for the mode,
         # the trainer's validation refused anything else (nccl_teardown_problem)
@@ -259,10 +264,8 @@ class Generation:
         client that forged them stand in for a peer (whose objects are unpickled)."""
         from reft_ext.cluster.signed_store import SignedStore
 
-        # TORCH_GLOO_LAZY_INIT=1 (LAZY_GLOO, the user's to set) connects a group's pairs on
-        # first use instead of a full mesh (W^2 store reads per generation: docs/scale.md
-        # "Recovery at scale"); not the default yet: with it, a kill in iteration 1 took the
-        # survivor to a new process too (tests/integration/test_inprocess_startup.py)
+        # gloo groups of more than EAGER_MAX ranks connect their pairs on first use
+        # (reft_ext/cluster/groups.py gloo_group: a full mesh is W^2 store reads)
         prefix = key(f"g{self.gen}", "pg")
         store = self.client("pg", timeout.total_seconds())
         # bound to the generation: one copied from an older one's keys is said as a replay

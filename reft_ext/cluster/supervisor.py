@@ -15,8 +15,9 @@ step's coordinator, reft_ext/cluster/coordinator.py):
   and fills every rank's ``wake/<g>/<rank>`` (each rank's abort watcher, blocked on it,
   closes its communicators: reft_ext/cluster/inprocess.py);
 * it waits until every rank is either dead or ``ready/<g>/<rank>`` (torn down, waiting),
-  at most ``abort_timeout`` s; a rank that is neither by then (frozen) is SIGKILLed (by
-  its node's agent on a cluster);
+  at most ``abort_timeout`` s; a rank that is neither by then (frozen) is asked for its
+  threads' stacks (SIGUSR2: faulthandler, into its log), then SIGKILLed (by its node's
+  agent on a cluster);
 * each dead rank's place goes to a worker the pool picks (a warm one where it can: on
   the rank's own node, or a spare node for a lost one), which joins generation g + 1
   directly; then ``gen`` and ``gen/<g+1>`` are published and the survivors rendezvous
@@ -48,8 +49,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from reft_ext.cluster.inprocess import (key, new_secret, read_signed, set_first, sign,
-                                        wake_ranks)
+from reft_ext.cluster.inprocess import (STACKS_SIGNAL, key, new_secret, read_signed,
+                                        set_first, sign, wake_ranks)
 from reft_ext.cluster.job_stop import will_repeat
 from reft_ext.cluster.pool import LocalPool, Pool, Worker
 from reft_ext.cluster.startup_watch import StartupWatch, stopped
@@ -62,6 +63,7 @@ from reft_ext.report.threads import join_or_warn
 # code for a process that signal ended): every rank ended by it (or saved and exited 0),
 # nothing failed on the way; tools/launch_nodes.py adds: and the snapshots were flushed
 EXIT_PREEMPTED = 128 + signal.SIGTERM
+STACKS_GRACE_S = 1.0  # a frozen rank's time to write its stacks before SIGKILL
 DEFAULT_PRELOAD = ("torch,megatron.core.parallel_state,megatron.core.models.gpt,"
                    "megatron.core.optimizer,megatron.training.training,reft_ext.session,"
                    "megatron.training.warm:prepare")
@@ -318,6 +320,14 @@ class Supervisor:
                     self.ranks[r].probe()
                 probe_at = 0
             if time.time() > deadline:  # frozen: the same as dead
+                self._say(f"rank(s) {sorted(waiting)} did not stop within "
+                          f"{self.cfg.abort_timeout:.0f} s of the abort: killing them "
+                          f"(their threads' stacks are in their logs)")
+                for r in waiting:
+                    self.ranks[r].kill(STACKS_SIGNAL)
+                until = time.time() + STACKS_GRACE_S
+                while time.time() < until:
+                    self.pool.update(0.05)
                 for r in waiting:
                     self.ranks[r].kill(signal.SIGKILL)
                 for r in waiting:
