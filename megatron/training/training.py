@@ -274,4 +274,13 @@ def pretrain(args, hooks=()) -> TrainingState:
     state = trainer.train()
     torch.distributed.barrier()
     inprocess.close()
+    # every group destroyed here, not by the interpreter's exit: gloo torn down there
+    # ended a rank by SIGABRT now and then ("terminate called without an active
+    # exception"), after which its launcher killed the others before their atexit
+    try:
+        mpu.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the run is done: say it, do not fail it
+        print(f"warning: destroying the process groups at the end failed: {exc!r}",
+              flush=True)
     return state

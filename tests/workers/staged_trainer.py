@@ -1,10 +1,9 @@
 """pretrain_llama.py with every collective megatron-core calls staged through host copies
 (megatron/training/gloo_device.py with a predicate that stages host tensors: what a run
 of several ranks on one GPU does to device tensors, on a machine without one). Prints
-``[STAGED] rank R name:count ...`` at exit: the staging really ran, and on what.
+``[STAGED] rank R name:count ...`` as it ends: the staging really ran, and on what.
 Used by tests/integration/test_gloo_staging_ddp.py against the plain trainer."""
 
-import atexit
 import os
 import runpy
 import sys
@@ -17,9 +16,16 @@ sys.path.insert(0, REPO)
 from megatron.training import gloo_device  # noqa: E402
 
 
+def _say(line: str) -> None:
+    """One write of a whole line, on a line of its own: print() writes the text and its
+    newline apart, and another rank's line landed between them (read as one line)."""
+    sys.stdout.flush()
+    os.write(1, f"\n{line}\n".encode())
+
+
 def _report() -> None:
     counts = " ".join(f"{k}:{v}" for k, v in sorted(gloo_device.staged_calls.items()))
-    print(f"[STAGED] rank {os.environ.get('RANK', '0')} {counts or 'none'}", flush=True)
+    _say(f"[STAGED] rank {os.environ.get('RANK', '0')} {counts or 'none'}")
 
 
 if __name__ == "__main__":
@@ -28,8 +34,9 @@ if __name__ == "__main__":
 
     swapped = gloo_device.install(predicate=lambda t: isinstance(t, torch.Tensor))
     aliases = [s for s in swapped if "." in s]
-    print(f"[STAGED] rank {os.environ.get('RANK', '0')} aliases {' '.join(aliases)}",
-          flush=True)
-    atexit.register(_report)
+    _say(f"[STAGED] rank {os.environ.get('RANK', '0')} aliases {' '.join(aliases)}")
     sys.argv = [os.path.join(REPO, "pretrain_llama.py"), *sys.argv[1:]]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        _report()
