@@ -1,0 +1,67 @@
+"""pretrain_llama.py with chosen ranks under cProfile: where REFT's hooks spend a real
+job's iteration (docs/has.md "Where the hooks' time goes").
+
+    PROF_RANKS=0,2 python -m reft_ext.cluster.torchrun --standalone --nproc-per-node 4 \\
+        benchmarks/profile_rank.py <pretrain_llama.py flags>
+    python benchmarks/profile_rank.py --report /tmp/reft-prof-rank0.out [--iters 80]
+
+The first form writes /tmp/reft-prof-rank<R>.out (PROF_DIR to change) for each rank of
+PROF_RANKS; the second prints the per-iteration time of REFT's hook functions and of
+what the hand-over (``_begin``) calls. cProfile inflates Python-heavy code (about 2x
+here): compare entries with each other, not with the job's own figures.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import runpy
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOOKS = ("session.py:195(after_step)", "session.py:179(before_optimizer_step)",
+         "snapshotter.py:274(_begin)", "snapshotter.py:348(_finish)",
+         "transport.py:126(_on_step)")
+
+
+def report(path: str, iters: int) -> None:
+    st = pstats.Stats(path)
+    rows = {f"{fn.rsplit('/', 1)[-1]}:{ln}({name})": (nc, ct, callees)
+            for (fn, ln, name), (_, nc, _, ct, callees) in st.stats.items()}
+    print(f"{path}: ms per iteration over {iters} iterations (cumulative, under cProfile)")
+    for hook in HOOKS:
+        nc, ct, _ = rows.get(hook, (0, 0.0, None))
+        print(f"  {hook:45s} {1000 * ct / iters:7.2f} ms  ({nc} calls)")
+    print("  _begin calls:")
+    calls = [(ct, f"{fn.rsplit('/', 1)[-1]}:{ln}({name})")
+             for (fn, ln, name), (_, _, _, ct, callers) in st.stats.items()
+             for (cfn, cln, cname) in callers
+             if cfn.endswith("snapshotter.py") and cname == "_begin" and fn != "~"]
+    for ct, name in sorted(calls, reverse=True)[:8]:
+        print(f"    {name:43s} {1000 * ct / iters:7.2f} ms")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--report"]:
+        iters = int(sys.argv[sys.argv.index("--iters") + 1]) if "--iters" in sys.argv else 80
+        report(sys.argv[2], iters)
+        return
+    rank = os.environ.get("RANK", "0")
+    wanted = rank in os.environ.get("PROF_RANKS", "0").split(",")
+    sys.path.insert(0, REPO)
+    sys.argv = [os.path.join(REPO, "pretrain_llama.py"), *sys.argv[1:]]
+    prof = cProfile.Profile()
+    if wanted:
+        prof.enable()
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        if wanted:
+            prof.disable()
+            prof.dump_stats(os.path.join(os.environ.get("PROF_DIR", "/tmp"),
+                                         f"reft-prof-rank{rank}.out"))
+
+
+if __name__ == "__main__":
+    main()
