@@ -13,6 +13,7 @@ here): compare entries with each other, not with the job's own figures.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import os
 import pstats
@@ -43,14 +44,20 @@ def report(path: str, iters: int) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--report"]:
-        iters = int(sys.argv[sys.argv.index("--iters") + 1]) if "--iters" in sys.argv else 80
-        report(sys.argv[2], iters)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report", metavar="FILE",
+                    help="print the per-iteration report of a profile this wrote")
+    ap.add_argument("--iters", type=int, default=80,
+                    help="the iterations the profiled job ran (the report's divisor)")
+    args, rest = ap.parse_known_args()
+    if args.report:
+        report(args.report, args.iters)
         return
     rank = os.environ.get("RANK", "0")
     wanted = rank in os.environ.get("PROF_RANKS", "0").split(",")
     sys.path.insert(0, REPO)
-    sys.argv = [os.path.join(REPO, "pretrain_llama.py"), *sys.argv[1:]]
+    sys.argv = [os.path.join(REPO, "pretrain_llama.py"), *rest]
     prof = cProfile.Profile()
     if wanted:
         prof.enable()
