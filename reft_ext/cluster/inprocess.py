@@ -42,8 +42,8 @@ import hashlib
 import hmac
 import json
 import os
-import signal
 import secrets
+import signal
 import threading
 import time
 
