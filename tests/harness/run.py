@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 from tests.harness import events as ev
@@ -68,6 +69,17 @@ class RunResult:
     def events_of(self, event: str, **match) -> list[dict]:
         """``result.events_of("recovered", rank=2)``: see Events.of."""
         return self.events.of(event, **match)
+
+
+def wait_until(cond, timeout: float, what: str):
+    """``cond()``'s first true value, polled every 50 ms; AssertionError after ``timeout``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def events_file(directory: str | None = None) -> str:

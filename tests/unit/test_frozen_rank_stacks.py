@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 import textwrap
-import time
 
 import pytest
 
 from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig
-from tests.harness.run import REPO
+from tests.harness.run import REPO, wait_until
 
 _RANK = textwrap.dedent("""
     import os, sys, time
@@ -39,14 +38,10 @@ def test_a_frozen_rank_writes_its_stacks_before_it_is_killed(tmp_path, capsys):
         abort_timeout=1.0, preload="", env={"PYTHONPATH": REPO}, cwd=REPO))
     try:
         sup.start()
-        deadline = time.time() + 90
-        while not all((out / f"up-{r}").exists() for r in (0, 1)):
-            assert time.time() < deadline, "the ranks did not start"
-            time.sleep(0.05)
+        wait_until(lambda: all((out / f"up-{r}").exists() for r in (0, 1)), 90,
+                   "the ranks to start")
         sup.kill_rank(1)
-        while not sup.history:
-            assert time.time() < deadline + 60, "no new generation"
-            time.sleep(0.05)
+        wait_until(lambda: sup.history, 60, "a new generation")
         # rank 0 ignored the abort: killed as frozen, the same as dead
         assert sorted(sup.history[0]["dead"]) == [0, 1], sup.history
         log = open(os.path.join(sup.cfg.log_dir, "worker0.log")).read()

@@ -6,16 +6,17 @@ collectives use, so a job-wide group costs a rank its ring neighbours, not W-1 s
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.harness.run import REPO
 
 RANK = textwrap.dedent("""
     import datetime, json, os, sys
@@ -58,21 +59,11 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_small_groups_connect_in_full_and_large_ones_on_first_use(tmp_path):
-    import datetime
-
-    import torch.distributed as dist
-
-    port = _free_port()
-    server = dist.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False,
+    server = dist.TCPStore("127.0.0.1", 0, 3, True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=60))
+    port = server.port
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     env = dict(os.environ, PYTHONPATH=REPO)

@@ -21,7 +21,7 @@ from reft_ext.cluster import inprocess
 from reft_ext.cluster.inprocess import key, read_signed, set_first, sign, verify
 from reft_ext.cluster.spare import parse_assignment, rank_env
 from reft_ext.cluster.supervisor import Supervisor, SupervisorConfig, listen
-from tests.harness.run import REPO
+from tests.harness.run import REPO, wait_until
 
 SECRET = bytes(range(32))
 OTHER = bytes(32)
@@ -163,16 +163,6 @@ def _ranks(out: str) -> list[dict]:
     return found
 
 
-def _wait(cond, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.timeout(180)
 def test_a_peer_without_the_secret_cannot_steer_the_job(tmp_path, capsys):
     out = tmp_path / "ranks"
@@ -185,7 +175,7 @@ def test_a_peer_without_the_secret_cannot_steer_the_job(tmp_path, capsys):
         abort_timeout=1.0, preload="", env={"PYTHONPATH": REPO}, cwd=REPO))
     try:
         sup.start()
-        first = _wait(lambda: _ranks(out), 60, "rank 0 to start")
+        first = wait_until(lambda: _ranks(out), 60, "rank 0 to start")
         assert first[0]["RANK"] == "0" and first[0]["REFT_GENERATION"] == "0"
         assert first[0]["LD_PRELOAD"] is None and first[0]["REFT_INJECTED"] is None
         spare_log = os.path.join(sup.cfg.log_dir, "worker1.log")
@@ -195,7 +185,7 @@ def test_a_peer_without_the_secret_cannot_steer_the_job(tmp_path, capsys):
                            env=dict(os.environ, PYTHONPATH=REPO))
         assert r.returncode == 0 and "attacked" in r.stdout, r.stderr
         # the spare sees the forged assignment (once it has imported torch) and says so
-        _wait(lambda: os.path.exists(spare_log) and
+        wait_until(lambda: os.path.exists(spare_log) and
               WARN.format(key("assign", 1)) in open(spare_log).read(), 60,
               "the spare's warning")
         time.sleep(1.0)  # > abort_timeout: a generation change would be done by now
@@ -208,7 +198,7 @@ def test_a_peer_without_the_secret_cannot_steer_the_job(tmp_path, capsys):
         # a real failure: the forged abort is overwritten, the spare gets a validly
         # signed assignment and builds the rank's environment itself
         sup.kill_rank(0)
-        second = _wait(lambda: _ranks(out)[1:], 60, "the replacement")[0]
+        second = wait_until(lambda: _ranks(out)[1:], 60, "the replacement")[0]
         assert second["RANK"] == "0" and second["REFT_GENERATION"] == "1"
         assert second["LD_PRELOAD"] is None and second["REFT_INJECTED"] is None
         assert second["REFT_INPROCESS_STORE"] == f"127.0.0.1:{sup.port}"
@@ -218,8 +208,8 @@ def test_a_peer_without_the_secret_cannot_steer_the_job(tmp_path, capsys):
 
         # a correctly signed abort (what a rank of the job sends) is accepted
         set_first(sup.store, sup.secret, key("abort", 1), "rank 0: collective failed", 1)
-        _wait(lambda: sup.gen == 2, 60, "generation 2")
-        third = _wait(lambda: _ranks(out)[2:], 60, "the rank of generation 2")[0]
+        wait_until(lambda: sup.gen == 2, 60, "generation 2")
+        third = wait_until(lambda: _ranks(out)[2:], 60, "the rank of generation 2")[0]
         assert third["REFT_GENERATION"] == "2" and third["LD_PRELOAD"] is None
         assert sup.history[1]["reason"] == "rank 0: collective failed"  # what it said
     finally:
