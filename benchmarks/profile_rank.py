@@ -3,9 +3,10 @@ job's iteration (docs/has.md "Where the hooks' time goes").
 
     PROF_RANKS=0,2 python -m reft_ext.cluster.torchrun --standalone --nproc-per-node 4 \\
         benchmarks/profile_rank.py <pretrain_llama.py flags>
-    python benchmarks/profile_rank.py --report /tmp/reft-prof-rank0.out [--iters 80]
+    python benchmarks/profile_rank.py --report reft-prof-rank0.out [--iters 80]
 
-The first form writes /tmp/reft-prof-rank<R>.out (PROF_DIR to change) for each rank of
+The first form writes reft-prof-rank<R>.out in the current directory (PROF_DIR to
+change; not /tmp, where another user could have put a link of that name) for each rank of
 PROF_RANKS; the second prints the per-iteration time of REFT's hook functions and of
 what the hand-over (``_begin``) calls. cProfile inflates Python-heavy code (about 2x
 here): compare entries with each other, not with the job's own figures.
@@ -66,7 +67,7 @@ def main() -> None:
     finally:
         if wanted:
             prof.disable()
-            prof.dump_stats(os.path.join(os.environ.get("PROF_DIR", "/tmp"),
+            prof.dump_stats(os.path.join(os.environ.get("PROF_DIR", "."),
                                          f"reft-prof-rank{rank}.out"))
 
 
