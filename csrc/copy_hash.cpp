@@ -235,8 +235,9 @@ void work_units(Run& r) {
         r.digests[i] = copy_hash_fused(u, r.opt.isa, r.opt.nontemporal);
         continue;
       }
+      // (hashed from the destination below: cached stores, whatever opt.nontemporal says)
       for (const auto& p : u.pieces)
-        if (!p.device) copy_range(u.dst + p.dst_off, p.src, p.n, r.opt.isa, r.opt.nontemporal);
+        if (!p.device) copy_range(u.dst + p.dst_off, p.src, p.n, r.opt.isa, false);
       if (u.zero_from < u.len) std::memset(u.dst + u.zero_from, 0, u.len - u.zero_from);
       r.digests[i] = xxh3_64(u.dst, u.len);
     }
@@ -265,6 +266,18 @@ std::vector<uint64_t> copy_and_hash(const std::vector<HashUnit>& units,
   if (device && opt.device < 0) throw std::invalid_argument("device pieces need a device");
   Run r(units, opt);
   const int n = std::max(1, std::min<int>(opt.num_threads, int(std::max<size_t>(1, units.size()))));
+  if (!device && n == 1) {
+    // host bytes, one thread: the calling thread is it (GIL released by the binding).
+    // A thread made and joined per region of every snapshot was most of a small
+    // snapshot's cost in context switches (issue 57)
+    work_units(r);
+    if (r.failed.load()) throw std::runtime_error("copy_and_hash: " + r.error);
+    if (stats) {
+      stats->seconds = since(t0);
+      stats->threads = 1;
+    }
+    return r.digests;
+  }
   std::vector<std::thread> threads;
   threads.reserve(n + 1);
   std::string spawn_error;

@@ -36,7 +36,7 @@ struct PipelineOptions {
   uintptr_t stream = 0;     // cudaStream_t of the side stream
   uintptr_t after_event = 0;  // cudaEvent_t the stream waits for first (0: none)
   Isa isa = Isa::Scalar;
-  bool nontemporal = false;  // host copies with streaming stores (hashed data is then cold)
+  bool nontemporal = false;  // host copies of a fused unit with streaming stores (each block is hashed from its source)
 };
 
 struct PipelineStats {

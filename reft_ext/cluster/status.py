@@ -225,9 +225,15 @@ class NodeSignals:
     (one writer per file; the others are no-ops). Never lets a failed write stop
     training: the signals inform, the snapshots and their checksums decide."""
 
-    def __init__(self, shm_dir: str, job: str, node: int, ranks: list[int], leader: bool):
+    def __init__(self, shm_dir: str, job: str, node: int, ranks: list[int], leader: bool,
+                 min_interval_s: float = 0.0):
         self.shm_dir, self.job, self.node, self.ranks = shm_dir, job, node, ranks
         self.leader, self.iteration = leader, None
+        # SNAP and COMPLETED follow each other every iteration: written at most once per
+        # min_interval_s (a file replaced twice per iteration was ~0.2 ms of each, issue
+        # 57; the status is for people and tools, the manifests decide recovery). Any
+        # other state, and the first of a run, is written at once
+        self.min_interval_s, self._last = min_interval_s, None
         self.path = path(shm_dir, job, node)
         # the side directory was checked private (once: a 0700 directory of this user
         # cannot be swapped by another; checked again if it has gone). Two signals per
@@ -239,6 +245,11 @@ class NodeSignals:
             return
         if iteration is not None:
             self.iteration = iteration
+        now = time.monotonic()
+        if state in (SNAP, COMPLETED) and self._last is not None and \
+                self._last[0] in (SNAP, COMPLETED) and now - self._last[1] < self.min_interval_s:
+            return
+        self._last = (state, now)
         rec = {"node": self.node, "ranks": self.ranks, "state": state,
                "iteration": self.iteration, "updated": time.time(), "detail": detail,
                "pid": os.getpid()}

@@ -55,11 +55,14 @@ def write_atomic(path: str, text: str, *, durable: bool = False,
             raise _no_space(path, text) from exc
         raise  # nothing created: nothing to remove (a planted name is not ours)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        try:
+            data = memoryview(text.encode())
+            while data:  # (a raw write: no text and buffer layers for a few KB)
+                data = data[os.write(fd, data):]
             if durable:
-                f.flush()
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:  # the target is untouched; no half-written temporary left
         try:
             os.unlink(tmp)

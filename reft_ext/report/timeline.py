@@ -131,7 +131,8 @@ class PipelineEvents:
         t1 = now_us()
         if self.in_step and name in ("forward-compute", "backward-compute"):
             self.profile.compute_s += (t1 - t0) / 1e6
-        self.trace.complete(name, cat, t0, t1, **{"iteration": self.iteration, **args})
+        if self.trace.enabled:  # (a dozen phases per iteration: no arguments built for none)
+            self.trace.complete(name, cat, t0, t1, **{"iteration": self.iteration, **args})
 
     def span(self, name: str, cat: str = "step", **args):
         events = self
@@ -167,7 +168,8 @@ class PipelineEvents:
         t1 = now_us()
         if self.in_step:
             self.profile.wait_s += (t1 - t0) / 1e6
-        self.trace.complete(name, "p2p-wait", t0, t1, iteration=self.iteration)
+        if self.trace.enabled:
+            self.trace.complete(name, "p2p-wait", t0, t1, iteration=self.iteration)
 
     # ---- steps -------------------------------------------------------------------------
     def step_begin(self, iteration: int) -> None:

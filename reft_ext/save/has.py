@@ -142,7 +142,11 @@ class HasWorker:
     def wait_begin(self, name: str) -> None:
         with self._cv:
             self._bubble = True
-            self._cv.notify_all()
+            # woken only with work left for a bubble: a wake-up that finds none was two
+            # context switches of every p2p wait (issue 57)
+            b = self._batch
+            if b is not None and (self._skipped or self._next < len(b.units)):
+                self._cv.notify_all()
 
     def wait_end(self, name: str) -> None:
         self._bubble = False  # read by the thread between chunks; no need to wake it

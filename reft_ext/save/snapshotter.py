@@ -24,7 +24,7 @@ from reft_ext.config import ReftConfig, ReftConfigError
 from reft_ext.copy.engine import CopyEngine
 from reft_ext.copy.pipeline import Pipelines
 from reft_ext.copy.staging import DeviceToHost, Readahead
-from reft_ext.state.layout import StateLayout
+from reft_ext.state.layout import StateLayout, StreamLayout
 from reft_ext.state.regions import Region
 from reft_ext.protect.placement import check_placement, place
 from reft_ext.protect.schemes import make_protection, snapshot_regions
@@ -35,7 +35,7 @@ from reft_ext.state.identity import stamp
 from reft_ext.cluster import status as node_status
 from reft_ext.save.early_seal import EarlySeal, commit_group
 from reft_ext.store.commit import Committer
-from reft_ext.store.slots import SnapshotStore, to_jsonable
+from reft_ext.store.slots import SnapshotStore
 from reft_ext.report.summary import Window
 from reft_ext.report.snapshot_log import SnapshotLog
 from reft_ext.report.timeline import PipelineEvents
@@ -94,7 +94,7 @@ class ReftSnapshotter:
         # REFT's state signals (HEALTHY, SNAP, COMPLETED ...), written by the node's first rank
         self.signals = node_status.NodeSignals(cfg.shm_dir, cfg.job_id, node,
                                                list(range(node * rpn, (node + 1) * rpn)),
-                                               adapter.rank % rpn == 0)
+                                               adapter.rank % rpn == 0, min_interval_s=1.0)
         self.aor = None  # AORTransport: this rank's shard -> its holder, a peer's replica here
         aor_bytes = 0
         if cfg.enabled and cfg.aor:
@@ -160,6 +160,11 @@ class ReftSnapshotter:
                                       self.concurrent_tier2, device=not cpu)
         if hasattr(self.schedule, "worker"):  # sealed, agreement posted, by its thread
             self.schedule.worker.on_done = EarlySeal(self.committer)
+        if self.aor is not None and cpu and self.pipeline[0] > 1:
+            # the holder replays its owner's step in this rank's next bubble, not beside
+            # the optimizer step every rank waits on (transport.py defer_to_bubbles)
+            self.aor.defer_to_bubbles = True
+            self.events.listeners.append(self.aor)
         # last: its reservation thread is the only thing a refused start must stop
         # (ReftSession.release_start), so nothing after it may fail
         self._check_memory()
@@ -289,11 +294,19 @@ class ReftSnapshotter:
         streams = {Region.OWN: (lay.replicated, start), Region.OWNED: (lay.owned, 0)}
         ahead = self.stager is not None and self.cfg.device_readahead > 0 and buf.is_pinned()
         native = self.pipes is not None and (self.stager is None or buf.is_pinned())
+        # host bytes copied as they are (an ARC replica's slice, the live AOR replica):
+        # the native copy hashes them in the same pass as the rest (issue 57)
+        plain = dict(streams)
+        replica = self.protection.replica_of(self.member)
+        if replica is not None:
+            plain[Region.REDUNDANCY] = (lay.replicated, lay.slice_range(replica)[0])
+        if self.aor is not None:  # resolved once the replica has applied this step
+            plain[Region.AOR] = (self._aor_stream, 0)
         for region, (off, n) in self.regions.items():
             spans = [(lo, buf[off + lo:off + min(n, lo + CHUNK)]) for lo in range(0, n, CHUNK)]
             fill, group = fills[region], None
-            if native and region in streams:  # one native call for many units
-                stream, base = streams[region]
+            if native and region in plain:  # one native call for many units
+                stream, base = plain[region]
                 group = self.pipes.group(stream, [(base + lo, d) for lo, d in spans],
                                          lambda r=region: self._fault_once(batch, r))
             elif ahead and region in streams:  # device bytes straight into the locked slot
@@ -309,7 +322,8 @@ class ReftSnapshotter:
                 units.append(u)
         self.pending = batch
         batch.slot, batch.t0 = slot, time.perf_counter()
-        batch.meta = to_jsonable(self.a.get_meta())
+        # captured now (copies), made JSON by the seal, on the snapshot thread (issue 57)
+        batch.meta = self.a.get_meta()
         return batch
 
     def _fault_once(self, batch: Batch, region: Region) -> None:
@@ -330,6 +344,12 @@ class ReftSnapshotter:
         covered = sum(p.n for p in pieces)
         if covered < dst.numel():
             dst[covered:].zero_()
+
+    def _aor_stream(self) -> StreamLayout:
+        """The live AOR replica as a stream, once it has applied the step this snapshot
+        is of (the apply thread may be a step behind, or still initializing)."""
+        self.aor.wait()
+        return StreamLayout([("aor", self.aor.replica.buffer)])
 
     def _copy_aor(self, dst: torch.Tensor, lo: int) -> None:
         self.aor.wait()  # the replica has applied the step this snapshot is of
@@ -405,6 +425,7 @@ class ReftSnapshotter:
         hand-over; the thread it may return still reads them (the next store waits)."""
         self.pending = None
         self.schedule.close()
+        self._unlisten_aor()
         aor_done = self.aor is None or self.aor.abandon()
         if self.unit_engine is not None:
             self.unit_engine.close()
@@ -414,8 +435,13 @@ class ReftSnapshotter:
             # still mapped for the next session of this process
             self.store.hand_over(reader=reader(self.store) if reader else None)
 
+    def _unlisten_aor(self) -> None:
+        if self.aor is not None and self.aor in self.events.listeners:
+            self.events.listeners.remove(self.aor)
+
     def close(self, remove: bool) -> None:
         self.flush()
+        self._unlisten_aor()
         if self.aor is not None:
             self.aor.close()
         if self.unit_engine is not None:

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from reft_ext.store.checksum import DEFAULT, checksum, combine
-from reft_ext.store.slots import SnapshotStore
+from reft_ext.store.slots import SnapshotStore, to_jsonable
 from reft_ext.testing import fault_point  # the one test injection point (no-op in production)
 
 
@@ -81,9 +81,10 @@ class Committer:
         return m
 
     def seal(self, slot: int, iteration: int, digests: dict, meta) -> dict:
-        """Write the slot's manifest: complete on this rank. Returns the regions' sums."""
+        """Write the slot's manifest: complete on this rank. Returns the regions' sums.
+        ``meta``: the trainer's metadata as captured (made JSON here)."""
         sums = region_checksums(self.regions, digests, self.algorithm)
-        self.store.finish(slot, self.manifest(iteration, sums, meta))
+        self.store.finish(slot, self.manifest(iteration, sums, to_jsonable(meta)))
         return sums
 
     def commit(self, slot: int, iteration: int, agreement=None) -> None:

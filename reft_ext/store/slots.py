@@ -25,6 +25,7 @@ same way: every writer seals, so it is torn or not REFT's.
 
 from __future__ import annotations
 
+import array
 import base64
 import hashlib
 import json
@@ -44,11 +45,20 @@ from reft_ext.store.shm import ShmSegment, check_space, ensure_private_dir
 
 # ---- small metadata as JSON (RNG states, counters, scheduler) ------------------------
 _PLAIN = (int, float, str, bool, type(None))
+_PACK_MIN = 64  # ints in a sequence packed as bytes (shorter ones stay readable)
 
 
 def to_jsonable(obj):
-    # a sequence of plain values is itself (Python's RNG state is 625 ints: one call per
-    # int was 1.4 ms of every snapshot's hand-over, issue 57)
+    # a long sequence of ints (Python's RNG state is 625) is their bytes: one JSON string,
+    # not 625 numbers that every manifest's dump and seal walk (issue 57)
+    if type(obj) in (tuple, list) and len(obj) >= _PACK_MIN and set(map(type, obj)) == {int}:
+        try:
+            packed = base64.b64encode(array.array("q", obj).tobytes()).decode()
+        except OverflowError:  # beyond 64 bits: as numbers below
+            pass
+        else:
+            return {"__int64__": packed, "tuple": type(obj) is tuple}
+    # a sequence of plain values is itself
     if type(obj) in (tuple, list) and all(type(x) in _PLAIN for x in obj):
         return {"__tuple__": list(obj)} if type(obj) is tuple else list(obj)
     if isinstance(obj, torch.Tensor):
@@ -82,6 +92,9 @@ def from_jsonable(obj):
     if "__ndarray__" in obj:
         return np.frombuffer(base64.b64decode(obj["__ndarray__"]),
                              dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    if "__int64__" in obj:
+        ints = array.array("q", base64.b64decode(obj["__int64__"])).tolist()
+        return tuple(ints) if obj.get("tuple") else ints
     if "__tuple__" in obj:
         return tuple(from_jsonable(x) for x in obj["__tuple__"])
     if "__dict__" in obj:
@@ -99,11 +112,30 @@ def _digest(obj: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def _str_keys(obj) -> bool:
+    """Are the keys of every dict in ``obj`` strings? Then its sorted-key JSON text is
+    what a reader's parse gives back, re-dumped: canonical as written."""
+    if type(obj) is dict:
+        return all(isinstance(k, str) for k in obj) and \
+            all(_str_keys(v) for v in obj.values() if type(v) in _NESTED)
+    return all(_str_keys(v) for v in obj if type(v) in _NESTED)
+
+
+_NESTED = (dict, list, tuple)
+
+
 def sealed(obj: dict) -> str:
-    """The JSON text of ``obj`` carrying its own digest (written once through JSON first,
-    so that what is hashed is exactly what a reader parses back)."""
-    plain = json.loads(json.dumps({k: v for k, v in obj.items() if k != SEAL}))
-    return json.dumps(dict(plain, **{SEAL: _digest(plain)}))
+    """The JSON text of ``obj`` carrying its own digest over exactly the text a reader
+    parses back and re-dumps (:func:`_digest`). One sorted dump of the manifest (40 KB
+    of RNG states) where every key is a string; through a parse first where not (an int
+    key is sorted as a number before it becomes a string): four passes were 1 ms of
+    every snapshot (issue 57)."""
+    body = {k: v for k, v in obj.items() if k != SEAL}
+    if not _str_keys(body):
+        body = json.loads(json.dumps(body))
+    text = json.dumps(body, sort_keys=True)
+    seal = f'"{SEAL}": "{hashlib.sha256(text.encode()).hexdigest()}"'
+    return text[:-1] + (", " if body else "") + seal + "}"
 
 
 def read_sealed(path: str) -> tuple[dict | None, str | None]:

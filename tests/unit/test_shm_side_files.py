@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -319,3 +320,24 @@ def test_signals_check_the_side_directory_once_and_again_when_it_went(shm):
     assert os.lstat(side).st_mode & 0o777 == 0o700
     rec = status.read(shm, "sig", 0)
     assert (rec["state"], rec["iteration"], rec["ranks"]) == ("COMPLETED", 2, [0, 1])
+
+
+def test_snapshot_signals_are_written_at_most_once_per_interval(shm, monkeypatch):
+    # SNAP and COMPLETED alternate every iteration: the status file is replaced at most
+    # once per min_interval_s by them (issue 57); any other state at once
+    sig = status.NodeSignals(shm, "rate", 0, [0], leader=True, min_interval_s=0.3)
+    writes = []
+    real = status._write
+    monkeypatch.setattr(status, "_write", lambda *a, **k: writes.append(a[3]["state"])
+                        or real(*a, **k))
+    sig.set(status.HEALTHY)
+    for it in range(1, 6):
+        sig.set(status.SNAP, detail=f"snapshot of iteration {it}")
+        sig.set(status.COMPLETED, it)
+    assert writes == ["HEALTHY", "SNAP"]
+    time.sleep(0.35)
+    sig.set(status.COMPLETED, 6)  # the interval passed: written, with the last iteration
+    sig.set(status.UNHEALTHY)     # another state: at once
+    assert writes == ["HEALTHY", "SNAP", "COMPLETED", "UNHEALTHY"]
+    rec = status.read(shm, "rate", 0)
+    assert (rec["state"], rec["iteration"]) == ("UNHEALTHY", 6)

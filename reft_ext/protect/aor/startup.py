@@ -149,6 +149,8 @@ class TransportStartup:
             self._init_send = dist.isend(packed, dst=self.holder_rank, group=self.group,
                                          tag=TAG_INIT)
         self.seq_sent = self.seq_recv = 0
+        with self._go_cv:  # (transport.py: the replays a bubble lets run, counted anew)
+            self._go = -1
         self.steps = int(self.owner.step_count())  # Adam steps taken (= the iteration)
         # pinned where the owner's grads come down from a device (an async D2H target)
         self._send_buf = host_buffer(mine.message_nbytes, pinned=self.owner.on_device)

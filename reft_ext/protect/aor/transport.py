@@ -40,7 +40,9 @@ The start-up (the group, :meth:`~AORTransport.initialize` and the replicas it ke
 
 from __future__ import annotations
 
+import math
 import queue
+import threading
 import time
 
 import torch
@@ -117,6 +119,13 @@ class AORTransport(TransportStartup, OwnerSend):
         self.verify_every = 0
         self._early_sums: dict = {}
         self.exact_step = 0  # the replica's step count when it last equalled its owner
+        # (CPU pipelines) a step's replay waits for this rank's next pipeline bubble
+        # (:meth:`bubble`, a PipelineEvents listener) instead of running beside the
+        # optimizer step, where every rank's step waits for the slowest: issue 57. The
+        # next step, or any reader (:meth:`wait`), lets it run at the latest. _go: the
+        # last message sequence number the apply thread may apply
+        self.defer_to_bubbles = False
+        self._go, self._go_cv = -1, threading.Condition()
 
     # ---- every optimizer step (main thread, inside optimizer.step) ----------------------
     def _install_hooks(self) -> None:
@@ -125,6 +134,7 @@ class AORTransport(TransportStartup, OwnerSend):
 
     def _on_step(self, _opt, _args, _kwargs) -> None:
         t0 = time.perf_counter()
+        self._allow(self.seq_recv - 1)  # the last step's replay: now at the latest
         self._join_init()  # the start-up's buffers and whole-shard transfers are posted
         spec = self.owner.spec
         self._wait_send(behind_check=True)
@@ -168,12 +178,39 @@ class AORTransport(TransportStartup, OwnerSend):
                     self.replica.valid, self.replica.reason = True, ""
                     self.exact_step = int(self.replica.step_count())
                     continue
+                self._gate(seq)
                 self.replica.apply_message(self._recv_buf, seq)
                 self._checksum_early()
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the main thread
                 self._error = exc
             finally:
                 self._q.task_done()
+
+    # ---- when a replay runs (defer_to_bubbles) ---------------------------------------------
+    def _allow(self, seq: float) -> None:
+        """Messages up to ``seq`` may be applied."""
+        if seq > self._go:
+            with self._go_cv:
+                self._go = max(self._go, seq)
+                self._go_cv.notify_all()
+
+    def _gate(self, seq: int) -> None:
+        """(apply thread) Wait until message ``seq`` may be applied."""
+        if self.defer_to_bubbles and seq > self._go:
+            with self._go_cv:
+                self._go_cv.wait_for(lambda: seq <= self._go)
+
+    def bubble(self) -> None:
+        """This rank waits on pipeline communication: the steps received so far may be
+        applied now, on a core the training would leave idle."""
+        self._allow(self.seq_recv - 1)
+
+    # (PipelineEvents listener: the snapshotter registers the transport)
+    def wait_begin(self, name: str) -> None:
+        self.bubble()
+
+    def wait_end(self, name: str) -> None:
+        pass
 
     def _checksum_early(self) -> None:
         """(apply thread) The replica's checksum for the verification of the step just
@@ -206,6 +243,7 @@ class AORTransport(TransportStartup, OwnerSend):
         """Block until every received step is applied; True if the replica is usable.
         Call before reading the replica (snapshot, verify, recovery)."""
         self._join_init()
+        self._allow(self.seq_recv - 1)
         self._q.join()
         if self._sender is not None:  # (no send of ours in flight beside a collective)
             self._send_q.join()
@@ -302,6 +340,7 @@ class AORTransport(TransportStartup, OwnerSend):
         self._send_work = self._init_send = None
         if not self._stop_sender(timeout_s):
             return False
+        self._allow(math.inf)  # a replay waiting for a bubble: to the stop
         if self._thread is not None:
             self._q.put(None)
             if not join_or_warn(self._thread, timeout_s, "the AOR replica thread",
