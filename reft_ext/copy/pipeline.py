@@ -93,8 +93,8 @@ class RegionPipeline:
         dev, stream, event = self.device or (-1, 0, 0)
         # streaming stores: each block is hashed from its source, so the slot's lines need
         # no read-for-ownership and do not evict the training's working set from the
-        # caches (issue 57: a training core beside a copy ran 30% slower with cached
-        # stores, 15-20% with these; the copy 25% faster)
+        # caches (issue 57, benchmarks/copy_beside_compute.py: the copy ~25% faster; how
+        # much less it slows compute on the next core varied between runs, docs/has.md)
         digests, stats = _native.C.copy_hash(units, n, dev, stream, event, "auto", True)
         stats["bytes"] = nbytes
         with self._lock:
@@ -208,13 +208,13 @@ class Pipelines:
         (the snapshotter's fault point). ``stream``: or a function giving it, called at
         the first run (a source that is ready only then: the live AOR replica)."""
         device = self.device_args()  # (on the training thread: the rank's device)
-        pipes = [] if callable(stream) else [RegionPipeline(stream, spans, lambda n: 1, device)]
+        pipe = None if callable(stream) else RegionPipeline(stream, spans, lambda n: 1, device)
 
         def run(units, how: str) -> list[int]:
+            nonlocal pipe
             before()
-            if not pipes:
-                pipes.append(RegionPipeline(stream(), spans, lambda n: 1, device))
-            pipe = pipes[0]
+            if pipe is None:
+                pipe = RegionPipeline(stream(), spans, lambda n: 1, device)
             digests = pipe.run([u.index for u in units], self.threads(how))
             self.rate = pipe.rate_per_thread() or self.rate
             return digests
