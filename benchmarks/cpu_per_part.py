@@ -5,7 +5,8 @@ Python-heavy code, this does not: each listed function is timed by the CPU clock
 thread that runs it (``time.thread_time``), and every thread of the rank by /proc, both
 between iteration ARM and the last, per iteration, averaged over the ranks.
 
-    python benchmarks/cpu_per_part.py [--iters 60] [--none] [-- extra pretrain flags]
+    python benchmarks/cpu_per_part.py [--iters 60] [--none] [--parts mod:fn,...]
+                                      [-- extra pretrain flags]
 
 runs `make run`'s job (benchmarks/overhead_jobs.py; ``--none``: without any --reft-*
 flag) through torchrun with this file as each rank's entry point, and prints the table.
@@ -85,13 +86,21 @@ def _threads() -> dict:
     return out
 
 
+def _owner(part: str):
+    """(object holding the part, its last name, its qualname) of ``module:qualname``."""
+    mod, _, attr = part.partition(":")
+    owner = importlib.import_module(mod)
+    *path, last = attr.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+    getattr(owner, last)  # (raises where it is not there)
+    return owner, last, attr
+
+
 def _install(out_dir: str) -> None:
-    for part in PARTS:
-        mod, _, attr = part.partition(":")
-        owner = importlib.import_module(mod)
-        *path, last = attr.split(".")
-        for p in path:
-            owner = getattr(owner, p)
+    more = os.environ.get("CPU_PER_PART_MORE", "").split(",")
+    for part in PARTS + [p for p in more if p]:
+        owner, last, attr = _owner(part)
         setattr(owner, last, _timed(attr, getattr(owner, last)))
     from megatron.training import goodput_integration as g
 
@@ -157,8 +166,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=60, help=f"iterations (> {ARM})")
     ap.add_argument("--none", action="store_true", help="the job without REFT")
+    ap.add_argument("--parts", default="",
+                    help="more parts to time, comma list of module:qualname (a function "
+                         "is timed where that module's name is looked up)")
     ap.add_argument("extra", nargs="*", help="more pretrain_llama.py flags (after --)")
     a = ap.parse_args()
+    sys.path.insert(0, REPO)
+    for part in [p for p in a.parts.split(",") if p]:  # here, not in 4 ranks' tracebacks
+        try:
+            _owner(part)
+        except (ImportError, AttributeError, ValueError) as exc:
+            sys.exit(f"error: --parts: {part!r} is not module:qualname of a function "
+                     f"({exc})")
     if a.iters <= ARM + 1:
         sys.exit(f"error: --iters must be above {ARM + 1}")
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -172,7 +191,8 @@ def main() -> None:
            f"--nproc-per-node={nproc}", os.path.abspath(__file__), *argv]
     if not a.none:
         cmd += ["--reft-job-id", job]
-    env = dict(os.environ, CPU_PER_PART_DIR=out, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env = dict(os.environ, CPU_PER_PART_DIR=out, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               CPU_PER_PART_MORE=a.parts)
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode:

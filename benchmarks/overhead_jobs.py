@@ -5,7 +5,9 @@ line Megatron prints every --log-interval ("elapsed time per iteration (ms)").
 Per run: the median of its log windows after the first WARMUP iterations (start-up,
 the first snapshots' slot creation and the allocator's warm-up are in those). Per round:
 each variant's median against the plain run's of the same round (neighbours in time:
-a host whose load drifts moves both). The figure is the median over the rounds.
+a host whose load drifts moves both). The figure is the median over the rounds, with a
+distribution-free interval for it (:func:`median_interval`); a target reads as met, not
+met, or not decided at this noise (:func:`verdict`).
 
 Jobs (issue 57):
   default   `make run`'s job: its JOB_ARGS (read from the Makefile: the shipped corpus,
@@ -19,6 +21,7 @@ Jobs (issue 57):
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -130,9 +133,38 @@ def ab(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -
             med[v].append(statistics.median(run_job(nproc, argv, f"{name}-{v}-{r}")))
             if bar is not None:
                 bar.update()
-    ratios = {v: statistics.median(x / p for x, p in zip(med[v], med["none"]))
-              for v in variants if v != "none"}
-    return {"medians": med, "ratios": ratios, "nproc": nproc}
+    paired = {v: [x / p for x, p in zip(med[v], med["none"])] for v in variants if v != "none"}
+    return {"medians": med, "ratios": {v: statistics.median(r) for v, r in paired.items()},
+            "paired": paired, "intervals": {v: median_interval(r) for v, r in paired.items()},
+            "nproc": nproc}
+
+
+def median_interval(xs: list[float], level: float = 0.90) -> tuple[float, float, float]:
+    """(low, high, confidence): a distribution-free interval for the median of the rounds'
+    paired ratios (order statistics x_(k) and x_(n+1-k), the sign test's binomial): the
+    narrowest whose confidence is at least ``level``, or the widest there is (all
+    rounds) when so few rounds cannot reach it. It says how far the host's noise leaves
+    the median from what more rounds would find."""
+    xs, n = sorted(xs), len(xs)
+
+    def covers(k: int) -> float:  # P(x_(k) <= median <= x_(n+1-k))
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+    k = 1
+    while k + 1 <= n - k and covers(k + 1) >= level:
+        k += 1
+    conf = covers(k)
+    return xs[k - 1], xs[n - k], conf
+
+
+def verdict(res: dict, variant: str, target: float, above: bool = False) -> str:
+    """Met, not met, or not decided at this noise: the target against the interval."""
+    lo, hi, conf = res["intervals"][variant]
+    ok = (lo >= target) if above else (hi <= target)
+    bad = (hi < target) if above else (lo > target)
+    word = "met" if ok else "not met" if bad else "not decided at this noise (more rounds)"
+    return (f"{res['ratios'][variant]:.3f}, {100 * conf:.0f}% interval {lo:.3f}-{hi:.3f} "
+            f"over {len(res['paired'][variant])} rounds: target {'>=' if above else '<='} "
+            f"{target:.2f} {word}")
 
 
 def table(name: str, res: dict, load: str) -> str:
@@ -140,10 +172,13 @@ def table(name: str, res: dict, load: str) -> str:
     rounds = len(med["none"])
     lines = [f"\n## {name} (as a user runs it: {rounds} rounds, separate jobs taking turns, "
              f"{res['nproc']} ranks)", f"host load average (1 min): {load}",
-             "| job | median ms/iter | ratio to none (paired, median over rounds) | "
+             "| job | median ms/iter | ratio to none (paired, median over rounds; interval) | "
              "medians per round |", "|---|---|---|---|"]
     for v, xs in med.items():
-        ratio = "-" if v == "none" else f"{ratios[v]:.3f}"
+        ratio = "-"
+        if v != "none":
+            lo, hi, conf = res["intervals"][v]
+            ratio = f"{ratios[v]:.3f} ({100 * conf:.0f}%: {lo:.3f}-{hi:.3f})"
         lines.append(f"| {v} | {statistics.median(xs):.1f} | {ratio} | "
                      + " ".join(f"{x:.0f}" for x in xs) + " |")
     if len(med["none"]) > 1:
