@@ -287,8 +287,8 @@ def as_user(a) -> None:
                     print(f"REFT/none {v(res, 'reft', 1.03)}")
                 else:
                     print(f"has/none {v(res, 'has', 1.03)}\nend-of-iteration/none "
-                          f"{v(res, 'end-of-iteration', 1.08, above=True)} (the regime is "
-                          f"real)")
+                          f"{v(res, 'end-of-iteration', 1.08, above=True)} (met: the "
+                          f"copy is a real share of the iteration, the regime is real)")
 
 
 if __name__ == "__main__":
