@@ -87,21 +87,21 @@ def _threads() -> dict:
 
 
 def _owner(part: str):
-    """(object holding the part, its last name, its qualname) of ``module:qualname``."""
+    """(object holding the part, its last name, its qualname, the function) of
+    ``module:qualname``; raises where it is not there."""
     mod, _, attr = part.partition(":")
     owner = importlib.import_module(mod)
     *path, last = attr.split(".")
     for p in path:
         owner = getattr(owner, p)
-    getattr(owner, last)  # (raises where it is not there)
-    return owner, last, attr
+    return owner, last, attr, getattr(owner, last)
 
 
 def _install(out_dir: str) -> None:
     more = os.environ.get("CPU_PER_PART_MORE", "").split(",")
     for part in PARTS + [p for p in more if p]:
-        owner, last, attr = _owner(part)
-        setattr(owner, last, _timed(attr, getattr(owner, last)))
+        owner, last, attr, fn = _owner(part)
+        setattr(owner, last, _timed(attr, fn))
     from megatron.training import goodput_integration as g
 
     done = g.GoodputTracker.iteration_done

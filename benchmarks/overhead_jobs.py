@@ -135,8 +135,7 @@ def ab(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -
                 bar.update()
     paired = {v: [x / p for x, p in zip(med[v], med["none"])] for v in variants if v != "none"}
     return {"medians": med, "ratios": {v: statistics.median(r) for v, r in paired.items()},
-            "paired": paired, "intervals": {v: median_interval(r) for v, r in paired.items()},
-            "nproc": nproc}
+            "paired": paired, "nproc": nproc}
 
 
 def median_interval(xs: list[float], level: float = 0.90) -> tuple[float, float, float]:
@@ -158,7 +157,7 @@ def median_interval(xs: list[float], level: float = 0.90) -> tuple[float, float,
 
 def verdict(res: dict, variant: str, target: float, above: bool = False) -> str:
     """Met, not met, or not decided at this noise: the target against the interval."""
-    lo, hi, conf = res["intervals"][variant]
+    lo, hi, conf = median_interval(res["paired"][variant])
     ok = (lo >= target) if above else (hi <= target)
     bad = (hi < target) if above else (lo > target)
     word = "met" if ok else "not met" if bad else "not decided at this noise (more rounds)"
@@ -177,7 +176,7 @@ def table(name: str, res: dict, load: str) -> str:
     for v, xs in med.items():
         ratio = "-"
         if v != "none":
-            lo, hi, conf = res["intervals"][v]
+            lo, hi, conf = median_interval(res["paired"][v])
             ratio = f"{ratios[v]:.3f} ({100 * conf:.0f}%: {lo:.3f}-{hi:.3f})"
         lines.append(f"| {v} | {statistics.median(xs):.1f} | {ratio} | "
                      + " ".join(f"{x:.0f}" for x in xs) + " |")
