@@ -3,6 +3,7 @@ GPU-like regime (many parameters, few tokens per iteration: a blocking copy of t
 costs a large share of an iteration, as over PCIe next to a GPU).
 
     python benchmarks/bench_overhead.py [--rounds 6] [--iters 50]        # as a user
+    python benchmarks/bench_overhead.py --in-job [--rounds 4] [--iters 100]  # the job's own
     python benchmarks/bench_overhead.py --in-process [--rounds 4] [--block 4] [--cases ...]
 
 By default the two jobs of issue 57 are measured as a user measures them
@@ -12,6 +13,10 @@ as separate torchrun runs taking turns, each timed by Megatron's own log line; p
 ratios per round, medians over rounds, each with a distribution-free interval and the
 target read against it: met, not met, or not decided at this noise (more rounds).
 
+``--in-job`` runs each REFT variant with the job's own A/B instead
+(``--reft-calibrate-iters``: snapshots skipped in every other block of 4 iterations of the
+same processes): the run-to-run level that dominates the separate runs cancels, what
+runs in both kinds of block (AOR's replay, the instrumentation) is not in the figure.
 ``--in-process`` is the finer instrument (below): every method in the same processes,
 taking turns in blocks of iterations, with the blocking time of each; ``--cases
 pp2,dp2,pp2dp2`` the older cases. Each case prints the host's load average before and
@@ -229,7 +234,13 @@ def main():
     ap.add_argument("--methods", default=None,
                     help="comma list replacing each case's methods (e.g. none,has-arc,"
                          "has-arc+aor@k3: @kN runs it with --reft-keep N); 'none' first")
+    ap.add_argument("--in-job", action="store_true",
+                    help="(as a user) each REFT variant's own A/B instead "
+                         "(--reft-calibrate-iters: snapshots in every other block of 4 "
+                         "iterations of one job), --rounds runs each, taking turns")
     a = ap.parse_args()
+    if a.in_job and a.in_process:
+        sys.exit("error: --in-job and --in-process are two instruments: choose one")
     if not a.in_process:
         return as_user(a)
     a.cycles = a.cycles or 4
@@ -272,14 +283,21 @@ def as_user(a) -> None:
         if not sep or not k:
             sys.exit(f"error: --also: expected NAME=FLAGS, got {item!r}")
         also[k] = v.split()
-    runs = sum(len(overhead_jobs.jobs(a.iters)[c][1]) + len(also) for c in cases) * rounds
+    plain = 0 if a.in_job else 1  # the job's own A/B runs no plain job
+    runs = sum(len(overhead_jobs.jobs(a.iters)[c][1]) - 1 + plain + len(also)
+               for c in cases) * rounds
     with Progress(runs, "bench_overhead", unit="run") as bar:
         for name in cases:
             bar.write(f"running {name} ({rounds} rounds) ...", file=sys.stderr)
             load0, t0 = os.getloadavg()[0], time.time()
-            res = overhead_jobs.ab(name, rounds, a.iters, bar, also)
+            run = overhead_jobs.in_job if a.in_job else overhead_jobs.ab
+            res = run(name, rounds, a.iters, bar, also)
             load = (f"{load0:.1f} before, {os.getloadavg()[0]:.1f} after "
                     f"({time.time() - t0:.0f} s, {os.cpu_count()} cores)")
+            if a.in_job:
+                with bar.paused():
+                    print(overhead_jobs.in_job_table(name, res, load), flush=True)
+                continue
             with bar.paused():
                 print(overhead_jobs.table(name, res, load), flush=True)
                 v = overhead_jobs.verdict

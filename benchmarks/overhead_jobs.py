@@ -32,6 +32,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_INTERVAL, WARMUP = 5, 10
+CALIBRATION = re.compile(r"\[REFT\] calibration .*median iteration ([\d.]+) ms with, ([\d.]+) ms "
+                         r"without")
 ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 REFT_SNAP = ["--reft-snapshot-every", "1", "--reft-ranks-per-node", "1"]
 
@@ -95,6 +97,16 @@ def jobs(iters: int) -> dict:
 def run_job(nproc: int, argv: list[str], tag: str, timeout: float = 900) -> list[float]:
     """One torchrun of pretrain_llama.py; the log windows' ms per iteration after the
     warm-up. The job's own host memory is removed afterwards."""
+    out = launch(nproc, argv, tag, timeout)
+    ms = [float(ms) for it, ms in ELAPSED.findall(out) if int(it) > WARMUP]
+    if not ms:
+        sys.exit(f"{tag}: no 'elapsed time per iteration' line after iteration {WARMUP}:\n"
+                 f"{out[-3000:]}")
+    return ms
+
+
+def launch(nproc: int, argv: list[str], tag: str, timeout: float = 900) -> str:
+    """One torchrun of pretrain_llama.py (its output); a failed run exits with it."""
     job = f"ab{os.getpid()}{tag}"
     cmd = [sys.executable, "-m", "reft_ext.cluster.torchrun", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(REPO, "pretrain_llama.py"), *argv]
@@ -113,11 +125,44 @@ def run_job(nproc: int, argv: list[str], tag: str, timeout: float = 900) -> list
     if proc.returncode:
         sys.exit(f"{tag} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
                  f"{proc.stderr[-3000:]}")
-    out = [float(ms) for it, ms in ELAPSED.findall(proc.stdout) if int(it) > WARMUP]
-    if not out:
-        sys.exit(f"{tag}: no 'elapsed time per iteration' line after iteration {WARMUP}:\n"
-                 f"{proc.stdout[-3000:]}")
-    return out
+    return proc.stdout
+
+
+def calibration_ratio(text: str) -> float:
+    """with/without of the job's own ``[REFT] calibration`` line (reft_ext/report/
+    calibration.py): its median iteration in the blocks with snapshots over that of the
+    blocks without, in the same processes."""
+    m = CALIBRATION.search(text)
+    if not m:
+        raise ValueError("no [REFT] calibration line with both medians in the job's output")
+    return float(m.group(1)) / float(m.group(2))
+
+
+def in_job(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -> dict:
+    """The job's own A/B (``--reft-calibrate-iters``: snapshots skipped in every other
+    block of 4 iterations, the same processes) for each REFT variant, ``rounds`` runs
+    each, taking turns: {"paired": {variant: [with/without of each run]}, "ratios":
+    medians}. Per run the blocks share the run's memory placement, so the level a
+    process happens to run at (docs/has.md: the GPU-like job's optimizer step at one of
+    two speeds per run) cancels; what runs in both kinds of block (AOR's replay, the
+    instrumentation, the verdicts) is not in it."""
+    nproc, variants = jobs(iters)[name]
+    reft = variants.get("reft", variants.get("has"))
+    variants = {v: a for v, a in variants.items() if v != "none"}
+    variants.update({k: reft + v for k, v in (also or {}).items()})
+    n = (iters - 8) // 8 * 8  # whole pairs of blocks, after the 4 iterations of warm-up
+    paired = {v: [] for v in variants}
+    for r in range(rounds):
+        for v, argv in variants.items():
+            out = launch(nproc, argv + ["--reft-calibrate-iters", str(n)], f"{name}-{v}-{r}")
+            try:
+                paired[v].append(calibration_ratio(out))
+            except ValueError as e:
+                sys.exit(f"{name}-{v}-{r}: {e}:\n{out[-3000:]}")
+            if bar is not None:
+                bar.update()
+    return {"paired": paired, "ratios": {v: statistics.median(x) for v, x in paired.items()},
+            "nproc": nproc}
 
 
 def ab(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -> dict:
@@ -183,4 +228,24 @@ def table(name: str, res: dict, load: str) -> str:
     if len(med["none"]) > 1:
         lines.append(f"noise: the plain run's medians differ by up to "
                      f"{100 * (max(med['none']) / min(med['none']) - 1):.1f}% between rounds")
+    return "\n".join(lines)
+
+
+def in_job_table(name: str, res: dict, load: str) -> str:
+    """:func:`in_job`'s figures: each variant's median with/without over the runs, its
+    interval, every run's, and the issue's target read against it."""
+    targets = {"reft": (1.03, False), "has": (1.03, False), "end-of-iteration": (1.08, True)}
+    lines = [f"\n## {name}, the job's own A/B (--reft-calibrate-iters; "
+             f"{len(next(iter(res['paired'].values())))} runs per variant, taking turns, "
+             f"{res['nproc']} ranks)", f"host load average (1 min): {load}",
+             "| variant | with/without snapshots (median over runs; interval) | per run |",
+             "|---|---|---|"]
+    for v, xs in res["paired"].items():
+        lo, hi, conf = median_interval(xs)
+        lines.append(f"| {v} | {res['ratios'][v]:.3f} ({100 * conf:.0f}%: {lo:.3f}-{hi:.3f}) "
+                     f"| " + " ".join(f"{x:.3f}" for x in xs) + " |")
+    for v, (target, above) in targets.items():
+        if v in res["paired"]:
+            lines.append(f"{v} in the job (snapshots alone): "
+                         f"{verdict(res, v, target, above)}")
     return "\n".join(lines)

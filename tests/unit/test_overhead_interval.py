@@ -43,3 +43,23 @@ def test_the_verdict_reads_met_missed_or_undecided():
     assert line.endswith("not decided at this noise (more rounds)")
     assert oj.verdict(_res([1.10, 1.12, 1.09, 1.15, 1.11, 1.2]), "reft", 1.08, above=True) \
         .endswith("target >= 1.08 met")
+
+
+def test_the_in_job_figure_is_read_from_the_jobs_own_calibration_line():
+    # the line reft_ext/report/calibration.py prints, as the job's log carries it
+    from reft_ext.report.calibration import Calibration
+
+    cal = Calibration(16, 1)
+    for it in range(1, cal.end + 2):
+        cal.observe(it, 0.33 if cal.snapshot_due(it - 1) else 0.30)  # (carried: i-1)
+    line = f"[REFT] {cal.text()}"
+    assert abs(oj.calibration_ratio("some log\n" + line + "\nmore") - 1.1) < 1e-9
+    try:
+        oj.calibration_ratio("[REFT] snapshots ... (no calibration line)")
+    except ValueError as e:
+        assert "calibration" in str(e)
+    else:
+        raise AssertionError("a log without the line read as a figure")
+    table = oj.in_job_table("default", {"paired": {"reft": [1.02, 1.03, 1.01, 1.02]},
+                                        "ratios": {"reft": 1.02}, "nproc": 4}, "1.0")
+    assert "| reft | 1.020" in table and "reft in the job (snapshots alone): 1.020" in table
