@@ -138,6 +138,14 @@ def calibration_ratio(text: str) -> float:
     return float(m.group(1)) / float(m.group(2))
 
 
+def with_also(name: str, iters: int, also: dict | None) -> tuple[int, dict]:
+    """(ranks, {variant: argv}) of job ``name`` with the ``also`` variants: the job's REFT
+    run (``reft``, or ``has``) with their flags added."""
+    nproc, variants = jobs(iters)[name]
+    reft = variants.get("reft", variants.get("has"))
+    return nproc, dict(variants, **{k: reft + v for k, v in (also or {}).items()})
+
+
 def in_job(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -> dict:
     """The job's own A/B (``--reft-calibrate-iters``: snapshots skipped in every other
     block of 4 iterations, the same processes) for each REFT variant, ``rounds`` runs
@@ -146,11 +154,10 @@ def in_job(name: str, rounds: int, iters: int, bar=None, also: dict | None = Non
     process happens to run at (docs/has.md: the GPU-like job's optimizer step at one of
     two speeds per run) cancels; what runs in both kinds of block (AOR's replay, the
     instrumentation, the verdicts) is not in it."""
-    nproc, variants = jobs(iters)[name]
-    reft = variants.get("reft", variants.get("has"))
-    variants = {v: a for v, a in variants.items() if v != "none"}
-    variants.update({k: reft + v for k, v in (also or {}).items()})
-    n = (iters - 8) // 8 * 8  # whole pairs of blocks, after the 4 iterations of warm-up
+    nproc, variants = with_also(name, iters, also)
+    variants.pop("none")
+    # whole pairs of 4-iteration blocks that fit after the calibration's 5 of warm-up
+    n = (iters - 8) // 8 * 8
     paired = {v: [] for v in variants}
     for r in range(rounds):
         for v, argv in variants.items():
@@ -169,9 +176,7 @@ def ab(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -
     """{variant: [median ms of each round's run]} and the paired ratios. ``also``: more
     variants, name -> flags added to the job's REFT run (e.g. {"keep3": ["--reft-keep",
     "3"]})."""
-    nproc, variants = jobs(iters)[name]
-    reft = variants.get("reft", variants.get("has"))
-    variants = dict(variants, **{k: reft + v for k, v in (also or {}).items()})
+    nproc, variants = with_also(name, iters, also)
     med = {v: [] for v in variants}
     for r in range(rounds):
         for v, argv in variants.items():
