@@ -149,8 +149,7 @@ def with_also(name: str, iters: int, also: dict | None) -> tuple[int, dict]:
 def in_job(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -> dict:
     """The job's own A/B (``--reft-calibrate-iters``: snapshots skipped in every other
     block of 4 iterations, the same processes) for each REFT variant, ``rounds`` runs
-    each, taking turns: {"paired": {variant: [with/without of each run]}, "ratios":
-    medians}. Per run the blocks share the run's memory placement, so the level a
+    each, taking turns: {"paired": {variant: [with/without of each run]}}. Per run the blocks share the run's memory placement, so the level a
     process happens to run at (docs/has.md: the GPU-like job's optimizer step at one of
     two speeds per run) cancels; what runs in both kinds of block (AOR's replay, the
     instrumentation, the verdicts) is not in it."""
@@ -168,12 +167,12 @@ def in_job(name: str, rounds: int, iters: int, bar=None, also: dict | None = Non
                 sys.exit(f"{name}-{v}-{r}: {e}:\n{out[-3000:]}")
             if bar is not None:
                 bar.update()
-    return {"paired": paired, "ratios": {v: statistics.median(x) for v, x in paired.items()},
-            "nproc": nproc}
+    return {"paired": paired, "nproc": nproc}
 
 
 def ab(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -> dict:
-    """{variant: [median ms of each round's run]} and the paired ratios. ``also``: more
+    """{variant: [median ms of each round's run]} and each round's ratio to the plain
+    run's (the figure is their median, :func:`with_interval`). ``also``: more
     variants, name -> flags added to the job's REFT run (e.g. {"keep3": ["--reft-keep",
     "3"]})."""
     nproc, variants = with_also(name, iters, also)
@@ -184,8 +183,7 @@ def ab(name: str, rounds: int, iters: int, bar=None, also: dict | None = None) -
             if bar is not None:
                 bar.update()
     paired = {v: [x / p for x, p in zip(med[v], med["none"])] for v in variants if v != "none"}
-    return {"medians": med, "ratios": {v: statistics.median(r) for v, r in paired.items()},
-            "paired": paired, "nproc": nproc}
+    return {"medians": med, "paired": paired, "nproc": nproc}
 
 
 def median_interval(xs: list[float], level: float = 0.90) -> tuple[float, float, float]:
@@ -205,29 +203,32 @@ def median_interval(xs: list[float], level: float = 0.90) -> tuple[float, float,
     return xs[k - 1], xs[n - k], conf
 
 
+def with_interval(xs: list[float]) -> str:
+    """The median of ``xs`` with its interval, as the tables print it."""
+    lo, hi, conf = median_interval(xs)
+    return f"{statistics.median(xs):.3f} ({100 * conf:.0f}%: {lo:.3f}-{hi:.3f})"
+
+
 def verdict(res: dict, variant: str, target: float, above: bool = False) -> str:
     """Met, not met, or not decided at this noise: the target against the interval."""
     lo, hi, conf = median_interval(res["paired"][variant])
     ok = (lo >= target) if above else (hi <= target)
     bad = (hi < target) if above else (lo > target)
     word = "met" if ok else "not met" if bad else "not decided at this noise (more rounds)"
-    return (f"{res['ratios'][variant]:.3f}, {100 * conf:.0f}% interval {lo:.3f}-{hi:.3f} "
+    return (f"{statistics.median(res['paired'][variant]):.3f}, {100 * conf:.0f}% interval {lo:.3f}-{hi:.3f} "
             f"over {len(res['paired'][variant])} rounds: target {'>=' if above else '<='} "
             f"{target:.2f} {word}")
 
 
 def table(name: str, res: dict, load: str) -> str:
-    med, ratios = res["medians"], res["ratios"]
+    med = res["medians"]
     rounds = len(med["none"])
     lines = [f"\n## {name} (as a user runs it: {rounds} rounds, separate jobs taking turns, "
              f"{res['nproc']} ranks)", f"host load average (1 min): {load}",
              "| job | median ms/iter | ratio to none (paired, median over rounds; interval) | "
              "medians per round |", "|---|---|---|---|"]
     for v, xs in med.items():
-        ratio = "-"
-        if v != "none":
-            lo, hi, conf = median_interval(res["paired"][v])
-            ratio = f"{ratios[v]:.3f} ({100 * conf:.0f}%: {lo:.3f}-{hi:.3f})"
+        ratio = "-" if v == "none" else with_interval(res["paired"][v])
         lines.append(f"| {v} | {statistics.median(xs):.1f} | {ratio} | "
                      + " ".join(f"{x:.0f}" for x in xs) + " |")
     if len(med["none"]) > 1:
@@ -246,9 +247,8 @@ def in_job_table(name: str, res: dict, load: str) -> str:
              "| variant | with/without snapshots (median over runs; interval) | per run |",
              "|---|---|---|"]
     for v, xs in res["paired"].items():
-        lo, hi, conf = median_interval(xs)
-        lines.append(f"| {v} | {res['ratios'][v]:.3f} ({100 * conf:.0f}%: {lo:.3f}-{hi:.3f}) "
-                     f"| " + " ".join(f"{x:.3f}" for x in xs) + " |")
+        lines.append(f"| {v} | {with_interval(xs)} | " + " ".join(f"{x:.3f}" for x in xs)
+                     + " |")
     for v, (target, above) in targets.items():
         if v in res["paired"]:
             lines.append(f"{v} in the job (snapshots alone): "
